@@ -1,0 +1,14 @@
+"""marin-rl: reinforcement learning of language models with JAX, Equinox and Levanter."""
+
+from marin_rl.types import InferenceMetadata, Rollout, RolloutValidationError, Turn
+
+__all__ = ["InferenceMetadata", "PackedArrays", "RlExample", "Rollout", "RolloutValidationError", "Turn"]
+
+
+def __getattr__(name: str):
+    # RlExample pulls in jax/haliax (seconds); the CLI's offline commands never need it.
+    if name in ("RlExample", "PackedArrays"):
+        from marin_rl import rl_example
+
+        return getattr(rl_example, name)
+    raise AttributeError(f"module 'marin_rl' has no attribute {name!r}")
