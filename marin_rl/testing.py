@@ -1,0 +1,76 @@
+"""Builders of valid records for tests (ours and researchers')."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from marin_rl.types import InferenceMetadata, Rollout, Turn
+
+_uids = itertools.count()
+
+
+def make_rollout(
+    *,
+    env: str = "env",
+    group_id: str = "g0",
+    problem_id: str = "p0",
+    prompt_len: int = 4,
+    completion_len: int = 3,
+    reward: float = 1.0,
+    policy_version: int = 0,
+    is_truncated: bool = False,
+    rewards: dict[str, float] | None = None,
+    seed: int | None = None,
+    rollout_uid: str | None = None,
+) -> Rollout:
+    """A single-turn rollout with random ids (in [1, 100)) and logprobs."""
+    rng = np.random.default_rng(seed)
+    prompt = Turn("user", "prompt", rng.integers(1, 100, prompt_len).astype(np.int32))
+    completion = Turn(
+        "assistant",
+        "completion",
+        rng.integers(1, 100, completion_len).astype(np.int32),
+        logprobs=-rng.random(completion_len).astype(np.float32),
+        inference_metadata=InferenceMetadata(
+            server_id="test", model="test", policy_version=policy_version, finish_reason="length" if is_truncated else "stop"
+        ),
+    )
+    return Rollout(
+        environment=env,
+        problem_id=problem_id,
+        rollout_uid=rollout_uid or f"{env}-{next(_uids)}",
+        group_id=group_id,
+        turns=(prompt, completion),
+        rewards={"correct": reward} if rewards is None else rewards,
+        reward=reward,
+        is_truncated=is_truncated,
+    )
+
+
+def make_group(
+    rewards: list[float],
+    *,
+    env: str = "env",
+    group_id: str = "g0",
+    prompt_len: int = 4,
+    completion_lens: list[int] | None = None,
+    policy_version: int = 0,
+    seed: int = 0,
+) -> list[Rollout]:
+    """One group: a rollout per reward, sharing a prompt length and group id."""
+    completion_lens = completion_lens or [3] * len(rewards)
+    return [
+        make_rollout(
+            env=env,
+            group_id=group_id,
+            problem_id=group_id,
+            prompt_len=prompt_len,
+            completion_len=n,
+            reward=r,
+            policy_version=policy_version,
+            seed=seed + i,
+        )
+        for i, (r, n) in enumerate(zip(rewards, completion_lens, strict=True))
+    ]

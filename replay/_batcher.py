@@ -1,0 +1,198 @@
+"""Batcher: packs groups from every env's buffer into one fixed-shape batch by token budget.
+
+design.md section 4. A batch is `total_token_budget // max_seq_len` rows of `max_seq_len` tokens
+(fixed shapes, so the learner compiles once). Envs get the batch in proportion to their fractions
+(the remainder rule in `effective_shares`); when an env cannot fill its share the batcher waits up
+to `max_wait_s` for it, then goes on without it and reports it (`batches/{env}/starved`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import numpy as np
+
+from marin_rl.rl_example import PADDING_SEGMENT_ID, PackedArrays, RlExample
+from marin_rl.replay._buffer import ReplayBuffer, ScoredGroup
+from marin_rl.replay._packing import BatchPlan, effective_shares, plan_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    total_token_budget: int = 16384
+    """Tokens per batch (rows x max_seq_len, padding included)."""
+    max_seq_len: int = 1024
+    """Length of every packed row; longer rollouts are handled by `overlong`."""
+    max_wait_s: float = 60.0
+    """How long to wait for an env that cannot fill its share before building without it."""
+    overlong: Literal["reject", "truncate"] = "reject"
+    """A rollout longer than max_seq_len is rejected (counted, in rejects.jsonl) or cut and marked truncated."""
+    pad_token_id: int = 0
+    """Token id written into padding (never attended, never in a loss)."""
+
+    def __post_init__(self):
+        if self.max_seq_len < 1:
+            raise ValueError(f"batcher.max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.total_token_budget < self.max_seq_len:
+            raise ValueError(
+                f"batcher.total_token_budget ({self.total_token_budget}) must be at least one row of "
+                f"max_seq_len ({self.max_seq_len})"
+            )
+        if self.overlong not in ("reject", "truncate"):
+            raise ValueError(f"batcher.overlong must be 'reject' or 'truncate', got {self.overlong!r}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.total_token_budget // self.max_seq_len
+
+
+@dataclass
+class Batch:
+    packed: PackedArrays
+    groups: list[ScoredGroup]
+    metrics: dict[str, float]
+    policy_version: int
+    """The learner version this batch was built for."""
+
+    def to_example(self) -> RlExample:
+        return RlExample.from_packed(self.packed)
+
+    @property
+    def rollout_versions(self) -> list[int]:
+        return [m.policy_version for g in self.groups for m in g.members]
+
+
+class Batcher:
+    def __init__(self, buffers: Mapping[str, ReplayBuffer], fractions: Mapping[str, float], config: BatcherConfig):
+        if set(buffers) != set(fractions):
+            raise ValueError(f"fractions must name every env: buffers {sorted(buffers)}, fractions {sorted(fractions)}")
+        bad = {env: f for env, f in fractions.items() if not 0.0 <= f <= 1.0}
+        if bad:
+            raise ValueError(f"env fractions must be in [0, 1], got {bad}")
+        if sum(fractions.values()) > 1.0 + 1e-9:
+            raise ValueError(f"env fractions must sum to <= 1, got {sum(fractions.values()):.4f} from {dict(fractions)}")
+        self.buffers = dict(buffers)
+        self.fractions = dict(fractions)
+        self.config = config
+        self._credit: dict[str, float] = {}
+
+    def next_batch(self, policy_version: int, timeout: float | None = None) -> Batch:
+        """Build the next batch for `policy_version` (stale rollouts are dropped first).
+
+        Waits up to `max_wait_s` for short envs; after that builds from what there is, unless
+        there is nothing at all, in which case it keeps waiting until `timeout` (TimeoutError).
+        """
+        for buffer in self.buffers.values():
+            buffer.set_policy_version(policy_version)
+        cfg = self.config
+        capacity = cfg.num_rows * cfg.max_seq_len
+        start = time.monotonic()
+        wanted = effective_shares(self.fractions, list(self.buffers))
+        while True:
+            short = [env for env in self.buffers if not self._can_fill(env, wanted[env] * capacity)]
+            waited = time.monotonic() - start
+            if not short:
+                break
+            if waited >= cfg.max_wait_s and any(self._has_data(env) for env in self.buffers):
+                logger.warning("batcher: building without a full share for %s after %.1fs", short, waited)
+                break
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError(f"batcher: no rollouts from any env within {timeout:.1f}s (short: {short})")
+            self.buffers[short[0]].wait_for_data(min(0.5, max(0.01, cfg.max_wait_s - waited)))
+        wait_s = time.monotonic() - start
+
+        shares = effective_shares(self.fractions, [env for env in self.buffers if self._has_data(env)])
+        plan = plan_batch(
+            {env: buffer.candidates() for env, buffer in self.buffers.items()},
+            shares,
+            self._credit,
+            cfg.num_rows,
+            cfg.max_seq_len,
+        )
+        groups: list[ScoredGroup] = []
+        for env, placed in plan.placements.items():
+            if placed:
+                sizes = {group_id: len(where) for group_id, where in placed.items()}
+                groups.extend(self.buffers[env].take(sizes))
+        packed = build_packed_arrays(groups, plan, cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
+        metrics = self._metrics(groups, plan, short, wait_s, policy_version)
+        return Batch(packed, groups, metrics, policy_version)
+
+    def _can_fill(self, env: str, tokens: float) -> bool:
+        have = 0
+        for group in self.buffers[env].candidates():
+            have += group.num_tokens
+            if have >= tokens:
+                return True
+        return tokens <= 0
+
+    def _has_data(self, env: str) -> bool:
+        return next(self.buffers[env].candidates(), None) is not None
+
+    def _metrics(self, groups, plan: BatchPlan, short, wait_s: float, policy_version: int) -> dict[str, float]:
+        capacity = self.config.num_rows * self.config.max_seq_len
+        total = plan.total_tokens
+        out: dict[str, float] = {
+            "batch/tokens": total,
+            "batch/rows": self.config.num_rows,
+            "batch/packing_efficiency": total / capacity,
+            "batch/wait_s": wait_s,
+        }
+        ages = [policy_version - m.policy_version for g in groups for m in g.members]
+        if ages:
+            out["batch/staleness_mean"] = float(np.mean(ages))
+            out["batch/staleness_max"] = float(max(ages))
+        for env in self.buffers:
+            env_groups = [g for g in groups if g.env == env]
+            prefix = f"batches/{env}/"
+            out[prefix + "rollouts_used"] = sum(len(g.members) for g in env_groups)
+            out[prefix + "groups_used"] = len(env_groups)
+            out[prefix + "tokens_used"] = plan.tokens.get(env, 0)
+            out[prefix + "frac_used"] = plan.tokens.get(env, 0) / total if total else 0.0
+            out[prefix + "fraction"] = self.fractions[env]
+            out[prefix + "starved"] = float(env in short)
+        return {k: float(v) for k, v in out.items()}
+
+
+def build_packed_arrays(
+    groups: list[ScoredGroup], plan: BatchPlan, num_rows: int, max_seq_len: int, pad_token_id: int = 0
+) -> PackedArrays:
+    """Write each rollout at its planned (row, offset); everything else is padding."""
+    shape = (num_rows, max_seq_len)
+    input_ids = np.full(shape, pad_token_id, np.int32)
+    position_ids = np.zeros(shape, np.int32)
+    segment_ids = np.full(shape, PADDING_SEGMENT_ID, np.int32)
+    loss_mask = np.zeros(shape, bool)
+    advantages = np.zeros(shape, np.float32)
+    policy_logprobs = np.zeros(shape, np.float32)
+    next_segment = [0] * num_rows
+    for group in groups:
+        for member, advantage, (row, offset) in zip(
+            group.members, group.advantages, plan.placements[group.env][group.group_id]
+        ):
+            end = offset + member.num_tokens
+            span = (row, slice(offset, end))
+            input_ids[span] = member.token_ids
+            position_ids[span] = np.arange(member.num_tokens)
+            segment_ids[span] = next_segment[row]
+            next_segment[row] += 1
+            loss_mask[span] = member.sampled_mask
+            advantages[span] = np.where(member.sampled_mask, advantage, 0.0)
+            policy_logprobs[span] = member.behaviour_logprobs
+    weights = loss_mask.astype(np.float32)
+    return PackedArrays(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        policy_logprobs=policy_logprobs,
+        rl_weights=weights,
+        ce_weights=np.zeros(shape, np.float32),
+        kl_weights=weights.copy(),
+    )

@@ -1,0 +1,329 @@
+"""ReplayBuffer: one per env. Validates, stores and ages rollouts; scores groups for the batcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Literal, Mapping
+
+import numpy as np
+
+from marin_rl.storage import RolloutWriter, append_reject, env_rollout_dir
+from marin_rl.types import Rollout, RolloutValidationError, Turn
+from marin_rl.replay._advantages import AdvantageConfig, RlooConfig
+from marin_rl.replay._packing import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+OverlongPolicy = Literal["reject", "truncate"]
+
+
+@dataclass(frozen=True)
+class ReplayBufferConfig:
+    max_age: int = 1
+    """Drop rollouts whose policy version is below `current - max_age` (1: up to one step stale)."""
+    min_group_size: int = 2
+    """A group with fewer surviving rollouts is not trained on (it may still grow)."""
+    advantage: AdvantageConfig = field(default_factory=RlooConfig)
+    """Advantage estimator: `type: rloo | grpo | dr_grpo`, plus `positive_only`."""
+    drop_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (zero advantage: no learning signal)."""
+    flush_every_rollouts: int = 512
+    """Write a Parquet segment once this many rollouts are pending."""
+    flush_every_s: float = 30.0
+    """... or once the oldest pending rollout is this old."""
+
+    def __post_init__(self):
+        if self.max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {self.max_age}")
+        if self.min_group_size < 1:
+            raise ValueError(f"min_group_size must be >= 1, got {self.min_group_size}")
+
+
+@dataclass(frozen=True)
+class FlatRollout:
+    """A stored rollout with its flat per-token arrays, computed once when it arrives."""
+
+    rollout: Rollout
+    token_ids: np.ndarray  # int32, every turn's ids in order
+    sampled_mask: np.ndarray  # bool, True on assistant (sampled) tokens
+    behaviour_logprobs: np.ndarray  # float32, sampling logprobs on sampled tokens, 0 elsewhere
+    policy_version: int
+
+    @staticmethod
+    def of(rollout: Rollout) -> FlatRollout:
+        return FlatRollout(
+            rollout, rollout.token_ids(), rollout.sampled_mask(), rollout.behaviour_logprobs(), rollout.policy_version
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """A group taken for training, with one advantage per rollout."""
+
+    env: str
+    group_id: str
+    members: tuple[FlatRollout, ...]
+    advantages: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.members)
+
+
+@dataclass
+class _Counters:
+    """What arrived since the last metrics report."""
+
+    rollouts: int = 0
+    tokens: int = 0
+    generated_tokens: int = 0
+    truncated: int = 0
+    rewards: list[float] = field(default_factory=list)
+    named_rewards: dict[str, list[float]] = field(default_factory=dict)
+
+
+class ReplayBuffer:
+    """Holds one env's rollouts by group until the batcher takes them.
+
+    `add` is thread-safe and never blocks on anything but a short lock (safe to call from an
+    asyncio worker). Bad rollouts are rejected one by one: counted, written to the env's
+    `rejects.jsonl`, and the rest of the call and of the buffer are unaffected.
+    """
+
+    def __init__(
+        self,
+        env: str,
+        config: ReplayBufferConfig = ReplayBufferConfig(),
+        *,
+        run_dir: str | Path | None = None,
+        max_seq_len: int | None = None,
+        overlong: OverlongPolicy = "reject",
+    ):
+        self.env = env
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.overlong = overlong
+        self._advantage_fn = config.advantage.build()
+        self._dir = env_rollout_dir(run_dir, env) if run_dir is not None else None
+        self._writer = (
+            RolloutWriter(self._dir, config.flush_every_rollouts, config.flush_every_s) if self._dir else None
+        )
+        self._groups: dict[str, list[FlatRollout]] = {}  # insertion order = arrival order
+        self._lock = threading.Lock()
+        self._data_arrived = threading.Condition(self._lock)
+        self._policy_version = 0
+        self._new = _Counters()
+        self._totals = dict(rejected=0, dropped_stale=0, filtered_groups=0, overlong_truncated=0, overlong_rejected=0)
+        self._frac_used_in_batch: float | None = None
+
+    # ---- producers ----
+
+    def add(self, rollouts: Iterable[Rollout]) -> int:
+        """Validate and store rollouts; returns how many were accepted."""
+        accepted: list[Rollout] = []
+        rejects: list[dict] = []
+        for rollout in rollouts:
+            try:
+                rollout = self._check(rollout)
+            except RolloutValidationError as e:
+                logger.warning("%s: rejected %s", self.env, e)
+                rejects.append(
+                    dict(env=self.env, rollout_uid=e.rollout_uid, field=e.field_name, reason=e.reason, time=time.time())
+                )
+                continue
+            accepted.append(rollout)
+        flat = {r.rollout_uid: FlatRollout.of(r) for r in accepted}  # outside the lock: O(tokens)
+        with self._lock:
+            self._totals["rejected"] += len(rejects)
+            for rollout in accepted:
+                entry = flat[rollout.rollout_uid]
+                self._groups.setdefault(rollout.group_id, []).append(entry)
+                self._count_new(entry)
+            if accepted:
+                self._data_arrived.notify_all()
+        if self._dir is not None:
+            for record in rejects:
+                append_reject(self._dir, record)
+        if self._writer is not None and accepted:
+            self._writer.append(accepted)
+        return len(accepted)
+
+    def _check(self, rollout: Rollout) -> Rollout:
+        if not isinstance(rollout, Rollout):
+            raise RolloutValidationError("?", "rollout", f"expected a Rollout, got {type(rollout).__name__}")
+        rollout.validate()
+        if rollout.environment != self.env:
+            raise RolloutValidationError(
+                rollout.rollout_uid, "environment", f"this buffer holds {self.env!r}, got {rollout.environment!r}"
+            )
+        if self.max_seq_len is not None and rollout.num_tokens > self.max_seq_len:
+            if self.overlong == "reject":
+                with self._lock:
+                    self._totals["overlong_rejected"] += 1
+                raise RolloutValidationError(
+                    rollout.rollout_uid,
+                    "turns",
+                    f"{rollout.num_tokens} tokens is longer than max_seq_len {self.max_seq_len} (overlong: reject)",
+                )
+            rollout = truncate_rollout(rollout, self.max_seq_len)
+            with self._lock:
+                self._totals["overlong_truncated"] += 1
+        return rollout
+
+    def _count_new(self, entry: FlatRollout) -> None:
+        new, rollout = self._new, entry.rollout
+        new.rollouts += 1
+        new.tokens += entry.num_tokens
+        new.generated_tokens += rollout.num_generated_tokens
+        new.truncated += int(rollout.is_truncated)
+        new.rewards.append(float(rollout.reward))
+        for name, value in rollout.rewards.items():
+            new.named_rewards.setdefault(name, []).append(float(value))
+
+    # ---- ageing ----
+
+    def set_policy_version(self, version: int) -> int:
+        """Advance the current version and drop what became too old; returns how many were dropped."""
+        with self._lock:
+            self._policy_version = version
+            oldest_allowed = version - self.config.max_age
+            dropped = 0
+            for group_id in list(self._groups):
+                entries = self._groups[group_id]
+                kept = [e for e in entries if e.policy_version >= oldest_allowed]
+                dropped += len(entries) - len(kept)
+                if kept:
+                    self._groups[group_id] = kept
+                else:
+                    del self._groups[group_id]
+            self._totals["dropped_stale"] += dropped
+            return dropped
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    # ---- the batcher's side ----
+
+    def candidates(self) -> Iterator[GroupSpec]:
+        """Usable groups, newest first, lazily. Zero-variance groups are dropped here when configured."""
+        with self._lock:
+            snapshot = list(reversed(self._groups.items()))
+        for group_id, entries in snapshot:
+            lengths = tuple(e.num_tokens for e in entries)
+            if len(lengths) < self.config.min_group_size:
+                continue
+            if self.config.drop_zero_variance_groups and _rewards_all_equal(entries[: len(lengths)]):
+                with self._lock:
+                    if self._groups.pop(group_id, None) is not None:
+                        self._totals["filtered_groups"] += 1
+                continue
+            yield GroupSpec(group_id, lengths)
+
+    def take(self, sizes: Mapping[str, int]) -> list[ScoredGroup]:
+        """Remove and score the first `sizes[group_id]` rollouts of each group (as many as were
+        planned; members that arrived after `candidates` stay in the buffer)."""
+        taken: list[ScoredGroup] = []
+        with self._lock:
+            available = sum(len(entries) for entries in self._groups.values())
+            for group_id, size in sizes.items():
+                entries = self._groups.pop(group_id)
+                members, rest = entries[:size], entries[size:]
+                if rest:
+                    self._groups[group_id] = rest
+                rewards = np.array([m.rollout.reward for m in members], dtype=np.float64)
+                taken.append(ScoredGroup(self.env, group_id, tuple(members), self._advantage_fn(rewards)))
+            used = sum(len(g.members) for g in taken)
+            self._frac_used_in_batch = used / available if available else 0.0
+        return taken
+
+    def wait_for_data(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds for new rollouts; True if some arrived."""
+        with self._data_arrived:
+            return self._data_arrived.wait(timeout)
+
+    def size(self) -> tuple[int, int]:
+        """(rollouts, tokens) currently held."""
+        with self._lock:
+            entries = [e for group in self._groups.values() for e in group]
+        return len(entries), sum(e.num_tokens for e in entries)
+
+    # ---- reporting ----
+
+    def metrics(self) -> dict[str, float]:
+        """The `replays/{env}/...` metrics of design.md section 3; the `new_*` figures reset each call."""
+        prefix = f"replays/{self.env}/"
+        with self._lock:
+            entries = [e for group in self._groups.values() for e in group]
+            new, self._new = self._new, _Counters()
+            totals = dict(self._totals)
+            frac_used = self._frac_used_in_batch
+            version = self._policy_version
+        out: dict[str, float] = {
+            "rollouts_in_buffer": len(entries),
+            "tokens_in_buffer": sum(e.num_tokens for e in entries),
+            "frac_on_policy": (sum(e.policy_version == version for e in entries) / len(entries)) if entries else 1.0,
+            "new_rollouts": new.rollouts,
+            "new_tokens": new.tokens,
+            "new_generated_tokens": new.generated_tokens,
+        }
+        if new.rollouts:
+            out["reward/mean"] = float(np.mean(new.rewards))
+            out["reward/std"] = float(np.std(new.rewards))
+            out["frac_truncated"] = new.truncated / new.rollouts
+            for name, values in new.named_rewards.items():
+                out[f"rewards/{name}/mean"] = float(np.mean(values))
+                out[f"rewards/{name}/std"] = float(np.std(values))
+        if frac_used is not None:
+            out["frac_used_in_batch"] = frac_used
+        out.update(totals)
+        return {prefix + k: float(v) for k, v in out.items()}
+
+    def flush(self) -> None:
+        """Write pending rollouts to disk now (also done on `close`)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def flush_if_due(self) -> None:
+        if self._writer is not None:
+            self._writer.flush_if_due()
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _rewards_all_equal(entries: list[FlatRollout]) -> bool:
+    first = entries[0].rollout.reward
+    return all(e.rollout.reward == first for e in entries)
+
+
+def truncate_rollout(rollout: Rollout, max_tokens: int) -> Rollout:
+    """Cut a rollout to its first `max_tokens` tokens and mark it truncated."""
+    turns: list[Turn] = []
+    budget = max_tokens
+    for turn in rollout.turns:
+        if budget <= 0:
+            break
+        if len(turn.token_ids) > budget:
+            turn = dataclasses.replace(
+                turn,
+                token_ids=turn.token_ids[:budget],
+                logprobs=None if turn.logprobs is None else turn.logprobs[:budget],
+            )
+        turns.append(turn)
+        budget -= len(turn.token_ids)
+    if not any(t.is_sampled for t in turns):
+        raise RolloutValidationError(
+            rollout.rollout_uid, "turns", f"no sampled token within the first {max_tokens} tokens (overlong: truncate)"
+        )
+    metadata = {**rollout.metadata, "overlong_truncated_from": rollout.num_tokens}
+    return dataclasses.replace(rollout, turns=tuple(turns), is_truncated=True, metadata=metadata)
