@@ -1,0 +1,266 @@
+"""Running an env: `sample_group` for training, `evaluate` for held-out pass@k.
+
+`sample_group` samples `n` rollouts of one problem (one request with `n` choices for the first
+turn, then each conversation goes on alone), scores them and returns `Rollout`s sharing a
+`group_id`. Everything the run config controls (sampling, reward weights, verifier timeout,
+max turns) is an argument; the env's class attributes are the defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from marin_rl.envs._chat import Transcript
+from marin_rl.envs._env import Env
+from marin_rl.envs._problems import Problem
+from marin_rl.envs._rewards import EnvMetrics, score
+from marin_rl.envs._sampling import Completion, Sampler, SamplingParams
+from marin_rl.types import Rollout
+
+SOLVED = 1.0 - 1e-6
+"""A rollout counts as solved for pass@k when its success reward reaches 1."""
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a group of rollouts is sampled and scored with, resolved from the run config and env."""
+
+    sampling: SamplingParams
+    reward_weights: dict[str, float]
+    """Every reward of the env -> its weight."""
+    verifier_timeout_s: float
+    max_turns: int
+
+
+def resolve_settings(
+    env: Env,
+    sampling: SamplingParams | None = None,
+    *,
+    reward_weights: Mapping[str, float] | None = None,
+    verifier_timeout_s: float | None = None,
+    max_turns: int | None = None,
+) -> RolloutSettings:
+    """Run-config values where given, else the env's defaults."""
+    weights = {name: weight for name, (_, weight) in env.reward_functions().items()}
+    unknown = set(reward_weights or {}) - set(weights)
+    if unknown:
+        raise ValueError(f"env {env.name!r}: reward_weights names unknown rewards {sorted(unknown)}; has {sorted(weights)}")
+    weights.update({k: float(v) for k, v in (reward_weights or {}).items()})
+    turns = env.max_turns if max_turns is None else max_turns
+    if turns < 1:
+        raise ValueError(f"env {env.name!r}: max_turns must be >= 1, got {turns}")
+    timeout = env.verifier_timeout_s if verifier_timeout_s is None else verifier_timeout_s
+    if not timeout > 0:
+        raise ValueError(f"env {env.name!r}: verifier_timeout_s must be > 0, got {timeout}")
+    return RolloutSettings(env.sampling.merged(sampling), weights, float(timeout), turns)
+
+
+async def sample_group(
+    env: Env,
+    problem: Problem,
+    sampler: Sampler,
+    n: int,
+    sampling: SamplingParams | None = None,
+    *,
+    reward_weights: Mapping[str, float] | None = None,
+    verifier_timeout_s: float | None = None,
+    max_turns: int | None = None,
+    metrics: EnvMetrics | None = None,
+) -> list[Rollout]:
+    """`n` scored rollouts of `problem`, sharing one `group_id`. Counts go to `metrics` (default `env.metrics`)."""
+    if n < 1:
+        raise ValueError(f"sample_group: n must be >= 1, got {n}")
+    settings = resolve_settings(
+        env, sampling, reward_weights=reward_weights, verifier_timeout_s=verifier_timeout_s, max_turns=max_turns
+    )
+    metrics = env.metrics if metrics is None else metrics
+    rollouts = await env.sample_rollouts(problem, sampler, n, settings, metrics)
+    metrics.increment("groups")
+    metrics.increment("rollouts", len(rollouts))
+    metrics.increment("truncated_rollouts", sum(r.is_truncated for r in rollouts))
+    return rollouts
+
+
+async def run_turns(
+    env: Env, problem: Problem, sampler: Sampler, n: int, settings: RolloutSettings, metrics: EnvMetrics
+) -> list[Rollout]:
+    """The default loop behind `Env.sample_rollouts`: sample, `interact`, repeat; then score."""
+    prompt = Transcript(env.tokenizer, env.build_messages(problem))
+    first = await sampler.sample(prompt.token_ids, n, settings.sampling)
+    if len(first) != n:
+        raise RuntimeError(f"env {env.name!r}: sampler returned {len(first)} completions, asked for {n}")
+    group_id = uuid.uuid4().hex
+    return list(
+        await asyncio.gather(
+            *(_one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first)
+        )
+    )
+
+
+async def _one_rollout(
+    env: Env,
+    problem: Problem,
+    sampler: Sampler,
+    transcript: Transcript,
+    completion: Completion,
+    settings: RolloutSettings,
+    metrics: EnvMetrics,
+    group_id: str,
+) -> Rollout:
+    state: dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
+    while True:
+        transcript.add_completion(completion)
+        if completion.finish_reason == "length":
+            stop_reason = "length"
+            break
+        if transcript.num_assistant_turns >= settings.max_turns:
+            stop_reason = "max_turns"
+            break
+        try:
+            new_messages = await env.interact(transcript.messages, problem, state)
+        except Exception as e:  # noqa: BLE001 - a failing tool ends this rollout, not the run
+            metrics.increment("interact_errors")
+            metadata["interact_error"] = f"{type(e).__name__}: {e}"
+            stop_reason = "interact_error"
+            break
+        if not new_messages:
+            stop_reason = "env"
+            break
+        transcript.add_messages(new_messages)
+        [completion] = await sampler.sample(transcript.token_ids, 1, settings.sampling)
+    messages = transcript.messages
+    scores = await score(
+        {name: (fn, settings.reward_weights[name]) for name, (fn, _) in env.reward_functions().items()},
+        {
+            "problem": problem,
+            "answer": problem.answer,
+            "completion": messages[-1]["content"],
+            "messages": messages,
+            "state": state,
+        },
+        timeout_s=settings.verifier_timeout_s,
+        metrics=metrics,
+    )
+    metadata.update(answer=_jsonable(problem.answer), stop_reason=stop_reason, num_turns=transcript.num_assistant_turns)
+    if scores.errors:
+        metadata["reward_errors"] = scores.errors
+    return Rollout(
+        environment=env.name,
+        problem_id=problem.id,
+        rollout_uid=uuid.uuid4().hex,
+        group_id=group_id,
+        turns=transcript.turns(),
+        rewards=scores.rewards,
+        reward=scores.reward,
+        is_truncated=stop_reason == "length",
+        metadata=metadata,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    # Rollout metadata must be JSON-serialisable; answers are usually plain, sometimes not.
+    return json.loads(json.dumps(value, default=str))
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def is_solved(env: Env, rollout: Rollout) -> bool:
+    value = rollout.rewards[env.success_reward] if env.success_reward is not None else rollout.reward
+    return value >= SOLVED
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    env: str
+    num_problems: int
+    samples_per_problem: int
+    mean_reward: float
+    reward_means: dict[str, float]
+    pass_at_k: dict[int, float]
+    counters: dict[str, float]
+    """The eval's own `EnvMetrics` (verifier errors, timeouts, ...), kept apart from training's."""
+    rollouts: tuple[Rollout, ...]
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        out = {f"{prefix}/{self.env}/reward/mean": self.mean_reward}
+        out.update({f"{prefix}/{self.env}/pass@{k}": v for k, v in self.pass_at_k.items()})
+        out.update({f"{prefix}/{self.env}/rewards/{name}/mean": v for name, v in self.reward_means.items()})
+        out.update({f"{prefix}/{key.removeprefix('envs/')}": v for key, v in self.counters.items()})
+        return out
+
+
+async def evaluate(
+    env: Env,
+    sampler: Sampler,
+    problems: Iterable[Problem] | None = None,
+    *,
+    n: int = 1,
+    ks: Sequence[int] = (1,),
+    sampling: SamplingParams | None = None,
+    max_concurrency: int = 8,
+    reward_weights: Mapping[str, float] | None = None,
+    verifier_timeout_s: float | None = None,
+    max_turns: int | None = None,
+) -> EvalResult:
+    """pass@k and mean rewards over held-out problems (default `env.eval_problems()`), greedy by default."""
+    if problems is None:
+        problems = env.eval_problems()
+        if problems is None:
+            raise ValueError(f"env {env.name!r} has no eval_problems(); pass problems=")
+    problems = list(problems)
+    if not problems:
+        raise ValueError(f"env {env.name!r}: no problems to evaluate")
+    if max(ks) > n:
+        raise ValueError(f"evaluate: pass@{max(ks)} needs n >= {max(ks)} samples per problem, got n={n}")
+    sampling = replace(env.sampling, temperature=0.0) if sampling is None else sampling
+    metrics = EnvMetrics(env.name)
+    gate = asyncio.Semaphore(max_concurrency)
+
+    async def one(problem: Problem) -> list[Rollout]:
+        async with gate:
+            return await sample_group(
+                env,
+                problem,
+                sampler,
+                n,
+                sampling,
+                reward_weights=reward_weights,
+                verifier_timeout_s=verifier_timeout_s,
+                max_turns=max_turns,
+                metrics=metrics,
+            )
+
+    groups = await asyncio.gather(*(one(p) for p in problems))
+    rollouts = [r for group in groups for r in group]
+    names = rollouts[0].rewards.keys()
+    return EvalResult(
+        env=env.name,
+        num_problems=len(problems),
+        samples_per_problem=n,
+        mean_reward=float(np.mean([r.reward for r in rollouts])),
+        reward_means={name: float(np.mean([r.rewards[name] for r in rollouts])) for name in names},
+        pass_at_k={
+            k: float(np.mean([pass_at_k(n, sum(is_solved(env, r) for r in group), k) for group in groups])) for k in ks
+        },
+        counters=metrics.as_dict(),
+        rollouts=tuple(rollouts),
+    )
