@@ -9,7 +9,6 @@ ignore dot files.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import threading
@@ -23,8 +22,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from marin_rl.types import InferenceMetadata, Rollout, Turn
-
-logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"marin_rl.rollout_schema_version"
@@ -166,15 +163,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_segment_atomic(path: Path, table: pa.Table) -> None:
-    """Write `table` to `path` so that `path` either does not exist or holds the whole segment."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def write_segment_atomic(path: Path, table: pa.Table) -> bool:
+    """Write `table` to `path` so that `path` either does not exist or holds the whole segment.
+
+    Never replaces an existing file (returns False instead): hard-linking the finished temp file
+    into place fails if the name is taken, where a rename would silently overwrite it.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        _fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class RolloutWriter:
@@ -227,8 +235,10 @@ class RolloutWriter:
     def _flush_locked(self) -> None:
         if not self._pending:
             return
-        path = self.directory / f"segment-{self._next_index:08d}.parquet"
-        write_segment_atomic(path, rollouts_to_table(self._pending))
+        table = rollouts_to_table(self._pending)
+        # Another writer may have taken the next name (two writers on one dir): skip ahead.
+        while not write_segment_atomic(self.directory / f"segment-{self._next_index:08d}.parquet", table):
+            self._next_index += 1
         self._next_index += 1
         self.segments_written += 1
         self.rollouts_written += len(self._pending)
@@ -295,7 +305,6 @@ def iter_run_segments(run_dir: str | os.PathLike, env: str | None = None) -> Ite
             try:
                 yield SegmentRead(path, read_segment(path), None)
             except SegmentError as e:
-                logger.warning("skipping %s", e)
                 yield SegmentRead(path, None, e)
 
 

@@ -1,0 +1,195 @@
+"""`marin-rl rollouts summary|show|export RUN`: offline inspection of a run's rollouts on disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from marin_rl.storage import SegmentError, iter_run_segments, table_to_rollouts
+from marin_rl.types import Rollout
+
+ROLE_STYLES = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}
+
+
+def add_parser(subparsers) -> None:
+    rollouts = subparsers.add_parser("rollouts", help="inspect the rollouts a run wrote to disk")
+    commands = rollouts.add_subparsers(dest="rollouts_command", required=True)
+
+    summary = commands.add_parser("summary", help="counts, tokens and rewards per env and policy version")
+    summary.add_argument("run", type=Path)
+    summary.add_argument("--env", help="only this env")
+    summary.set_defaults(handler=summary_command)
+
+    show = commands.add_parser("show", help="render rollouts as conversations, newest first")
+    show.add_argument("run", type=Path)
+    show.add_argument("--env", help="only this env")
+    show.add_argument("--min-reward", type=float)
+    show.add_argument("--max-reward", type=float)
+    show.add_argument("--version", type=int, help="only rollouts sampled by this policy version")
+    show.add_argument("-n", type=int, default=5, help="how many to show (default 5)")
+    show.set_defaults(handler=show_command)
+
+    export = commands.add_parser("export", help="write every rollout as one JSON object per line")
+    export.add_argument("run", type=Path)
+    export.add_argument("--format", choices=["jsonl"], required=True)
+    export.add_argument("--env", help="only this env")
+    export.add_argument("-o", "--output", type=Path, help="file to write (default: stdout)")
+    export.set_defaults(handler=export_command)
+
+
+class _Reader:
+    """Reads a run's segments, remembering which were skipped as corrupt."""
+
+    def __init__(self, run: Path, env: str | None):
+        self.run, self.env = run, env
+        self.errors: list[SegmentError] = []
+
+    def rollouts(self, newest_first: bool = False) -> Iterator[Rollout]:
+        segments = list(iter_run_segments(self.run, self.env))
+        if not segments:
+            raise FileNotFoundError(f"{self.run} has no rollouts yet (no segments under {self.run}/rollouts/)")
+        for segment in reversed(segments) if newest_first else segments:
+            if segment.error is not None:
+                self.errors.append(segment.error)
+                continue
+            rollouts = table_to_rollouts(segment.table)
+            yield from reversed(rollouts) if newest_first else rollouts
+
+    def report(self, console: Console) -> int:
+        for error in self.errors:
+            console.print(f"[bold red]skipped corrupt segment[/] {escape(str(error))}", soft_wrap=True)
+        return 1 if self.errors else 0
+
+
+def summary_command(args, console: Console) -> int:
+    reader = _Reader(args.run, args.env)
+    stats: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(list))
+    for r in reader.rollouts():
+        row = stats[(r.environment, r.policy_version)]
+        row["reward"].append(r.reward)
+        row["tokens"].append(r.num_tokens)
+        row["generated"].append(r.num_generated_tokens)
+        row["truncated"].append(r.is_truncated)
+        for name, value in r.rewards.items():
+            row[f"rewards/{name}"].append(value)
+    reward_names = sorted({k for row in stats.values() for k in row if k.startswith("rewards/")})
+    table = Table(title=f"rollouts in {args.run}")
+    table.add_column("env")
+    # version, rollouts, tokens, generated tokens per rollout, reward mean/std, truncated fraction
+    for column in ("ver", "n", "tokens", "gen/n", "reward", "std", "trunc"):
+        table.add_column(column, justify="right", min_width=len(column))
+    for name in reward_names:
+        table.add_column(name[len("rewards/") :], justify="right", min_width=len(name) - len("rewards/"))
+    for (env, version), row in sorted(stats.items()):
+        table.add_row(
+            env,
+            str(version),
+            str(len(row["reward"])),
+            str(int(np.sum(row["tokens"]))),
+            f"{np.mean(row['generated']):.1f}",
+            f"{np.mean(row['reward']):.3f}",
+            f"{np.std(row['reward']):.3f}",
+            f"{np.mean(row['truncated']):.0%}",
+            *(f"{np.mean(row[name]):.3f}" if name in row else "-" for name in reward_names),
+        )
+    console.print(table)
+    return reader.report(console)
+
+
+def show_command(args, console: Console) -> int:
+    reader = _Reader(args.run, args.env)
+    shown = 0
+    for r in reader.rollouts(newest_first=True):
+        if shown >= args.n:
+            break
+        if args.min_reward is not None and r.reward < args.min_reward:
+            continue
+        if args.max_reward is not None and r.reward > args.max_reward:
+            continue
+        if args.version is not None and r.policy_version != args.version:
+            continue
+        console.print(render_rollout(r))
+        shown += 1
+    if shown == 0:
+        console.print("no rollout matches the filters")
+    return reader.report(console)
+
+
+def render_rollout(r: Rollout) -> Panel:
+    body = Text()
+    for turn in r.turns:
+        body.append(f"{turn.role}", style=f"bold {ROLE_STYLES.get(turn.role, 'white')}")
+        detail = f"  [{len(turn.token_ids)} tokens"
+        if turn.inference_metadata is not None:
+            meta = turn.inference_metadata
+            detail += f", finish={meta.finish_reason}, v{meta.policy_version}"
+            if turn.logprobs is not None and len(turn.logprobs):
+                detail += f", mean logprob {float(np.mean(turn.logprobs)):.3f}"
+        body.append(detail + "]\n", style="dim")
+        body.append(turn.content + "\n\n")
+    body.rstrip()
+    named = " ".join(f"{k}={v:g}" for k, v in r.rewards.items())
+    title = f"{r.environment} · problem {r.problem_id} · reward {r.reward:g} ({named}) · v{r.policy_version}"
+    if r.is_truncated:
+        title += " · truncated"
+    subtitle = f"uid {r.rollout_uid} · group {r.group_id}"
+    if r.metadata:
+        subtitle += f" · {json.dumps(r.metadata, default=str)[:200]}"
+    return Panel(body, title=escape(title), subtitle=escape(subtitle), title_align="left", subtitle_align="left")
+
+
+def rollout_to_json(r: Rollout) -> dict:
+    return {
+        "environment": r.environment,
+        "problem_id": r.problem_id,
+        "rollout_uid": r.rollout_uid,
+        "group_id": r.group_id,
+        "policy_version": r.policy_version,
+        "reward": r.reward,
+        "rewards": r.rewards,
+        "is_truncated": r.is_truncated,
+        "metadata": r.metadata,
+        "turns": [
+            {
+                "role": t.role,
+                "content": t.content,
+                "token_ids": t.token_ids.tolist(),
+                "logprobs": None if t.logprobs is None else t.logprobs.tolist(),
+                "timestamp": t.timestamp,
+                "inference_metadata": None
+                if t.inference_metadata is None
+                else {
+                    "server_id": t.inference_metadata.server_id,
+                    "model": t.inference_metadata.model,
+                    "policy_version": t.inference_metadata.policy_version,
+                    "finish_reason": t.inference_metadata.finish_reason,
+                    "latency_s": t.inference_metadata.latency_s,
+                    "sampling_params": t.inference_metadata.sampling_params,
+                },
+            }
+            for t in r.turns
+        ],
+    }
+
+
+def export_command(args, console: Console) -> int:
+    reader = _Reader(args.run, args.env)
+    out = open(args.output, "w") if args.output else sys.stdout
+    try:
+        for r in reader.rollouts():
+            out.write(json.dumps(rollout_to_json(r), default=str) + "\n")
+    finally:
+        if args.output:
+            out.close()
+    return reader.report(Console(stderr=True))

@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from marin_rl.cli import main
+from marin_rl.storage import RolloutWriter
+from marin_rl.testing import make_group, make_rollout
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    writer = RolloutWriter(tmp_path / "rollouts" / "math")
+    writer.append(make_group([1.0, 0.0, 0.5], env="math", group_id="a", policy_version=0))
+    writer.append(make_group([1.0, 1.0], env="math", group_id="b", policy_version=1))
+    writer.close()
+    writer = RolloutWriter(tmp_path / "rollouts" / "toy")
+    writer.append([make_rollout(env="toy", rewards={"correct": 1.0, "format": 0.25}, is_truncated=True)])
+    writer.close()
+    return tmp_path
+
+
+def test_summary_reports_each_env_and_version(run_dir, capsys):
+    assert main(["rollouts", "summary", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(lines) == 3
+    math_v0 = [c.strip() for c in lines[0].strip("│").split("│")]
+    assert math_v0[:8] == ["math", "0", "3", "21", "3.0", "0.500", "0.408", "0%"]
+    toy = [c.strip() for c in lines[2].strip("│").split("│")]
+    assert toy[0] == "toy" and toy[7] == "100%" and toy[9] == "0.250"
+
+
+def test_show_filters_by_env_reward_and_version(run_dir, capsys):
+    assert main(["rollouts", "show", str(run_dir), "--env", "math", "--max-reward", "0.5", "--version", "0", "-n", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("math · problem a") == 2
+    assert "reward 1 " not in out
+    assert "assistant" in out and "user" in out
+
+
+def test_export_jsonl_round_trips_token_ids(run_dir, tmp_path, capsys):
+    target = tmp_path / "out.jsonl"
+    assert main(["rollouts", "export", str(run_dir), "--format", "jsonl", "-o", str(target)]) == 0
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 6
+    assert {r["environment"] for r in records} == {"math", "toy"}
+    assert all(len(r["turns"][1]["token_ids"]) == len(r["turns"][1]["logprobs"]) for r in records)
+
+
+def test_corrupt_segment_is_named_and_the_rest_still_summarised(run_dir, capsys):
+    (run_dir / "rollouts" / "math" / "segment-00000007.parquet").write_bytes(b"junk")
+    assert main(["rollouts", "summary", str(run_dir)]) == 1
+    out = capsys.readouterr().out.replace("\n", "")
+    assert "segment-00000007.parquet" in out
+    assert "toy" in out and "math" in out
+
+
+def test_missing_and_empty_runs_are_clear_errors(tmp_path, capsys):
+    assert main(["rollouts", "summary", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "rollouts" / "math").mkdir(parents=True)
+    assert main(["rollouts", "show", str(tmp_path)]) == 1
+    assert "no rollouts yet" in capsys.readouterr().err.replace("\n", "")
