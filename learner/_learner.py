@@ -1,0 +1,166 @@
+"""The learner: one optimizer step per batch of packed RlExamples, checkpoints, and HF exports.
+
+The learner is algorithm-blind: it applies the per-token advantages and loss weights it is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import draccus
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from levanter.models.lm_model import LmHeadModel
+
+from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from marin_rl.learner._config import LearnerConfig, ModelConfig
+from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
+from marin_rl.learner._optim import build_optimizer
+from marin_rl.learner._step import loss_and_gradients
+from marin_rl.rl_example import BATCH_AXIS, POS_AXIS, RlExample
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+HF_DIR = "hf"
+CHECKPOINT_FORMAT = 1
+
+
+class Learner:
+    """Trains a Levanter LM on packed RlExamples.
+
+    - `step(example)` takes one optimizer step and returns its metrics.
+    - `policy_version` is the number of optimizer steps taken.
+    - `model` is the current model (float32 parameters). Its arrays are never donated to the step, so
+      whoever holds it (a colocated inference server) can keep using it after later steps.
+    - `save_checkpoint()` / `restore_latest()` / `export_hf()` write under `run_dir`.
+    """
+
+    def __init__(self, config: LearnerConfig, model_config: ModelConfig, run_dir, tokenizer, *, key):
+        self.config = config
+        self.model_config = model_config
+        self.run_dir = Path(run_dir)
+        self.tokenizer = tokenizer
+        init_key, self._key = jax.random.split(key)
+
+        if model_config.hf_checkpoint is not None:
+            model = load_hf_model(model_config.hf_checkpoint, model_config, tokenizer=tokenizer)
+        else:
+            model = build_model(model_config, len(tokenizer), key=init_key)
+        self._dtype = compute_dtype(model_config)
+        self._optimizer, self._schedule = build_optimizer(config.optimizer)
+        self.model: LmHeadModel = model
+        self._opt_state = self._optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        # The KL reference is the initial policy, frozen, kept in the compute dtype.
+        self._reference = cast_floating(model, self._dtype) if config.loss.beta > 0 else None
+        self.policy_version = 0
+        # The optimizer state (second argument) is donated: only the learner holds it.
+        self._train_step = eqx.filter_jit(self._step_fn, donate="all-except-first")
+
+    # --- training -------------------------------------------------------------------------------------
+
+    def step(self, example: RlExample) -> dict[str, float]:
+        """One optimizer step on `example`; returns the step's metrics (see docs/learner.md)."""
+        self._check_example(example)
+        reference = self._reference if example.reference_logprobs is None else None
+        self._key, step_key = jax.random.split(self._key)
+        start = time.perf_counter()
+        inputs = (self.model, example, reference, step_key, jnp.asarray(self.policy_version, jnp.int32))
+        self.model, self._opt_state, device_metrics = self._train_step(inputs, self._opt_state)
+        metrics = {name: float(value) for name, value in jax.device_get(device_metrics).items()}
+        elapsed = time.perf_counter() - start
+        self.policy_version += 1
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"learner step {self.policy_version}: loss is {metrics['loss']}")
+        metrics["step_time_s"] = elapsed
+        metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
+        return metrics
+
+    def _check_example(self, example: RlExample) -> None:
+        Batch, Pos = example.input_ids.resolve_axis(BATCH_AXIS), example.input_ids.resolve_axis(POS_AXIS)
+        if Pos.size > self.model_config.seq_len:
+            raise ValueError(
+                f"RlExample rows have {Pos.size} positions, more than ModelConfig.seq_len = {self.model_config.seq_len}"
+            )
+        rows = self.config.microbatch_rows
+        if rows is not None and Batch.size % rows != 0:
+            raise ValueError(f"LearnerConfig.microbatch_rows = {rows} must divide the batch's {Batch.size} rows")
+
+    def _step_fn(self, inputs, opt_state):
+        """The jitted step: loss and gradients over microbatches, then the optimizer update."""
+        model, example, reference, key, step = inputs
+        loss, grads, metrics = loss_and_gradients(
+            model, example, config=self.config, compute_dtype=self._dtype, reference=reference, key=key
+        )
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self._schedule(step)}
+        return model, opt_state, metrics
+
+    # --- checkpoints and exports ----------------------------------------------------------------------
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / CHECKPOINTS_DIR
+
+    def _config_record(self) -> dict:
+        return {"learner": draccus.encode(self.config), "model": draccus.encode(self.model_config)}
+
+    def save_checkpoint(self) -> Path:
+        """Write `RUN/checkpoints/step-{policy_version}/` atomically; keeps the newest
+        `LearnerConfig.keep_checkpoints`."""
+        record = self._config_record()
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.policy_version,
+            "policy_version": self.policy_version,
+            "rng_key": np.asarray(jax.random.key_data(self._key)).tolist(),
+            "config_hash": _hash(record),
+            "config": record,
+        }
+        return save_checkpoint(
+            self.checkpoints_dir,
+            self.policy_version,
+            model=self.model,
+            opt_state=self._opt_state,
+            state=state,
+            keep=self.config.keep_checkpoints,
+        )
+
+    def restore_latest(self) -> bool:
+        """Load the newest complete checkpoint under `RUN/checkpoints/`, if any; True if one was loaded."""
+        checkpoints = complete_checkpoints(self.checkpoints_dir)
+        if not checkpoints:
+            return False
+        path = checkpoints[-1]
+        model, opt_state, state = load_checkpoint(path, model_like=self.model, opt_state_like=self._opt_state)
+        if state["config_hash"] != _hash(self._config_record()):
+            logger.warning("checkpoint %s was written with another config: %s", path, state["config"])
+        self.model, self._opt_state = model, opt_state
+        self.policy_version = state["policy_version"]
+        key_data = jnp.asarray(state["rng_key"], dtype=jnp.uint32)
+        typed = jnp.issubdtype(self._key.dtype, jax.dtypes.prng_key)
+        self._key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(self._key)) if typed else key_data
+        logger.info("restored %s (policy version %d)", path, self.policy_version)
+        return True
+
+    def export_hf(self, step: int | None = None) -> Path:
+        """Write the current model as a Hugging Face checkpoint to `RUN/hf/step-N/` (N = `step`, default the
+        policy version), atomically; returns its path."""
+        step = self.policy_version if step is None else step
+        dtype = jnp.dtype(self.config.export_dtype)
+        return save_hf_model(self.model, self.tokenizer, self.run_dir / HF_DIR / f"step-{step}", dtype=dtype)
+
+
+def _hash(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
