@@ -16,7 +16,7 @@ from typing import Literal, Mapping
 import numpy as np
 
 from marin_rl.rl_example import PADDING_SEGMENT_ID, PackedArrays, RlExample
-from marin_rl.replay._buffer import ReplayBuffer, ScoredGroup
+from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ScoredGroup
 from marin_rl.replay._packing import BatchPlan, effective_shares, plan_batch
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,11 @@ class Batcher:
 def build_packed_arrays(
     groups: list[ScoredGroup], plan: BatchPlan, num_rows: int, max_seq_len: int, pad_token_id: int = 0
 ) -> PackedArrays:
-    """Write each rollout at its planned (row, offset); everything else is padding."""
+    """Write each rollout at its planned (row, offset); everything else is padding.
+
+    Built row by row (one concatenation per array per row) rather than rollout by rollout: a
+    1M-token batch holds thousands of rollouts and per-rollout numpy calls dominated the time.
+    """
     shape = (num_rows, max_seq_len)
     input_ids = np.full(shape, pad_token_id, np.int32)
     position_ids = np.zeros(shape, np.int32)
@@ -170,21 +174,29 @@ def build_packed_arrays(
     loss_mask = np.zeros(shape, bool)
     advantages = np.zeros(shape, np.float32)
     policy_logprobs = np.zeros(shape, np.float32)
-    next_segment = [0] * num_rows
+    rows: list[list[tuple[int, FlatRollout, float]]] = [[] for _ in range(num_rows)]
     for group in groups:
         for member, advantage, (row, offset) in zip(
             group.members, group.advantages, plan.placements[group.env][group.group_id]
         ):
-            end = offset + member.num_tokens
-            span = (row, slice(offset, end))
-            input_ids[span] = member.token_ids
-            position_ids[span] = np.arange(member.num_tokens)
-            segment_ids[span] = next_segment[row]
-            next_segment[row] += 1
-            loss_mask[span] = member.sampled_mask
-            advantages[span] = np.where(member.sampled_mask, advantage, 0.0)
-            policy_logprobs[span] = member.behaviour_logprobs
-    weights = loss_mask.astype(np.float32)
+            rows[row].append((offset, member, float(advantage)))
+    positions = np.arange(max_seq_len, dtype=np.int32)
+    for row, members in enumerate(rows):
+        if not members:
+            continue
+        members.sort(key=lambda item: item[0])
+        lengths = [m.num_tokens for _, m, _ in members]
+        end = sum(lengths)
+        assert members[0][0] == 0 and end <= max_seq_len, "planned spans must tile the row from 0"
+        mask = np.concatenate([m.sampled_mask for _, m, _ in members])
+        input_ids[row, :end] = np.concatenate([m.token_ids for _, m, _ in members])
+        position_ids[row, :end] = np.concatenate([positions[:n] for n in lengths])
+        segment_ids[row, :end] = np.repeat(np.arange(len(members), dtype=np.int32), lengths)
+        loss_mask[row, :end] = mask
+        advantages[row, :end] = np.repeat(np.array([a for _, _, a in members], np.float32), lengths) * mask
+        policy_logprobs[row, :end] = np.concatenate([m.behaviour_logprobs for _, m, _ in members])
+    # Default routing: every sampled token gets the RL and KL terms, none the CE term.
+    sampled = loss_mask.astype(np.float32)
     return PackedArrays(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -192,7 +204,7 @@ def build_packed_arrays(
         loss_mask=loss_mask,
         advantages=advantages,
         policy_logprobs=policy_logprobs,
-        rl_weights=weights,
+        rl_weights=sampled,
         ce_weights=np.zeros(shape, np.float32),
-        kl_weights=weights.copy(),
+        kl_weights=sampled,
     )

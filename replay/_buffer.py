@@ -121,6 +121,7 @@ class ReplayBuffer:
         self._lock = threading.Lock()
         self._data_arrived = threading.Condition(self._lock)
         self._policy_version = 0
+        self._oldest_version = 2**62  # lower bound on the versions held; lets ageing skip its scan
         self._new = _Counters()
         self._totals = dict(rejected=0, dropped_stale=0, filtered_groups=0, overlong_truncated=0, overlong_rejected=0)
         self._frac_used_in_batch: float | None = None
@@ -147,6 +148,7 @@ class ReplayBuffer:
             for rollout in accepted:
                 entry = flat[rollout.rollout_uid]
                 self._groups.setdefault(rollout.group_id, []).append(entry)
+                self._oldest_version = min(self._oldest_version, entry.policy_version)
                 self._count_new(entry)
             if accepted:
                 self._data_arrived.notify_all()
@@ -197,10 +199,14 @@ class ReplayBuffer:
             self._policy_version = version
             oldest_allowed = version - self.config.max_age
             dropped = 0
+            if self._oldest_version >= oldest_allowed:
+                return 0  # nothing can be stale: skip the scan
+            self._oldest_version = version
             for group_id in list(self._groups):
                 entries = self._groups[group_id]
                 kept = [e for e in entries if e.policy_version >= oldest_allowed]
                 dropped += len(entries) - len(kept)
+                self._oldest_version = min([self._oldest_version, *(e.policy_version for e in kept)])
                 if kept:
                     self._groups[group_id] = kept
                 else:

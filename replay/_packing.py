@@ -26,12 +26,9 @@ class RowPacker:
         self.num_rows = num_rows
         self.max_seq_len = max_seq_len
         self.fill = [0] * num_rows
+        self.free_tokens = num_rows * max_seq_len
         # (free space, row) sorted ascending: bisect finds the tightest row that fits.
         self._free = [(max_seq_len, row) for row in range(num_rows)]
-
-    @property
-    def free_tokens(self) -> int:
-        return sum(space for space, _ in self._free)
 
     @property
     def largest_free(self) -> int:
@@ -59,6 +56,7 @@ class RowPacker:
         space, row = self._free.pop(k)
         offset = self.fill[row]
         self.fill[row] += length
+        self.free_tokens -= length
         bisect.insort(self._free, (space - length, row))
         return row, offset
 
@@ -68,6 +66,7 @@ class RowPacker:
         space = self.max_seq_len - self.fill[row]
         self._free.pop(bisect.bisect_left(self._free, (space, row)))
         self.fill[row] -= length
+        self.free_tokens += length
         bisect.insort(self._free, (space + length, row))
 
 
