@@ -7,8 +7,12 @@ __all__ = ["InferenceMetadata", "PackedArrays", "RlExample", "Rollout", "Rollout
 
 def __getattr__(name: str):
     # RlExample pulls in jax/haliax (seconds); the CLI's offline commands never need it.
-    if name in ("RlExample", "PackedArrays"):
-        from marin_rl import rl_example
+    if name == "RlExample":
+        from marin_rl.rl_example import RlExample
 
-        return getattr(rl_example, name)
+        return RlExample
+    if name == "PackedArrays":
+        from marin_rl.packed import PackedArrays
+
+        return PackedArrays
     raise AttributeError(f"module 'marin_rl' has no attribute {name!r}")

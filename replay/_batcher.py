@@ -15,7 +15,7 @@ from typing import Literal, Mapping
 
 import numpy as np
 
-from marin_rl.rl_example import PADDING_SEGMENT_ID, PackedArrays, RlExample
+from marin_rl.packed import PADDING_SEGMENT_ID, PackedArrays
 from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ScoredGroup
 from marin_rl.replay._packing import BatchPlan, effective_shares, plan_batch
 
@@ -59,7 +59,10 @@ class Batch:
     policy_version: int
     """The learner version this batch was built for."""
 
-    def to_example(self) -> RlExample:
+    def to_example(self):
+        """The batch as an `RlExample` of NamedArrays (imports JAX)."""
+        from marin_rl.rl_example import RlExample
+
         return RlExample.from_packed(self.packed)
 
     @property

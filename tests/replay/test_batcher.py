@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marin_rl.rl_example import PADDING_SEGMENT_ID
+from marin_rl.packed import PADDING_SEGMENT_ID
 from marin_rl.replay import (
     Batcher,
     BatcherConfig,
