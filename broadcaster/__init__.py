@@ -1,1 +1,13 @@
-"""."""
+"""Weight broadcasting from the learner to the inference servers (design.md section 6)."""
+
+from marin_rl.broadcaster._broadcaster import Broadcaster, BroadcasterConfig
+from marin_rl.broadcaster._transport import ColocatedTransport, RemoteTransport, WeightTransport, WeightUpdateRefused
+
+__all__ = [
+    "Broadcaster",
+    "BroadcasterConfig",
+    "ColocatedTransport",
+    "RemoteTransport",
+    "WeightTransport",
+    "WeightUpdateRefused",
+]

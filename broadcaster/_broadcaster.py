@@ -1,0 +1,83 @@
+"""`Broadcaster`: after a learner step, push the new policy to every inference server and wait for them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from marin_rl.broadcaster._transport import ColocatedTransport, RemoteTransport, WeightTransport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BroadcasterConfig:
+    """Which servers get new weights, and how often."""
+
+    every_k_steps: int = 1
+    """Broadcast when `policy_version % every_k_steps == 0`; larger values trade freshness for time."""
+    remote_servers: tuple[str, ...] = ()
+    """Base URLs (`http://host:port/v1`) of `marin-rl serve` processes to update over HTTP."""
+    weight_update_token: str | None = None
+    """Bearer token of the remote servers' weight-update endpoint; None reads MARIN_RL_WEIGHT_TOKEN."""
+    export_dir: str | None = None
+    """Where HF checkpoints for remote servers are written (a path they can read); None: RUN_DIR/hf."""
+    confirm_timeout_s: float = 600.0
+    """How long a remote server may take to load and confirm a version before the push fails."""
+    keep_exports: int = 2
+    """Exported checkpoints kept in `export_dir` (older ones are deleted after a confirmed push)."""
+
+    def __post_init__(self):
+        if self.every_k_steps < 1:
+            raise ValueError(f"BroadcasterConfig.every_k_steps must be >= 1, got {self.every_k_steps}")
+
+    def build(self, *, colocated=None, tokenizer=None, run_dir: str | None = None) -> Broadcaster:
+        """Transports for the colocated `PolicyServer` (if any) and each remote server."""
+        transports: list[WeightTransport] = [] if colocated is None else [ColocatedTransport(colocated)]
+        if self.remote_servers:
+            export_dir = self.export_dir or (os.path.join(run_dir, "hf") if run_dir else None)
+            if export_dir is None or tokenizer is None:
+                raise ValueError("BroadcasterConfig: remote_servers need export_dir (or a run_dir) and the tokenizer")
+            transports += [
+                RemoteTransport(
+                    url,
+                    self.weight_update_token,
+                    export_dir,
+                    tokenizer=tokenizer,
+                    timeout_s=self.confirm_timeout_s,
+                    keep_exports=self.keep_exports,
+                )
+                for url in self.remote_servers
+            ]
+        return Broadcaster(transports, every_k_steps=self.every_k_steps)
+
+
+class Broadcaster:
+    """Pushes each k-th policy version through every transport, in order, and reports timings."""
+
+    def __init__(self, transports: list[WeightTransport], every_k_steps: int = 1):
+        if every_k_steps < 1:
+            raise ValueError(f"every_k_steps must be >= 1, got {every_k_steps}")
+        self.transports = list(transports)
+        self.every_k_steps = every_k_steps
+
+    def maybe_broadcast(self, model, policy_version: int) -> dict[str, float]:
+        """Push `model` as `policy_version` if it is a k-th step. Metrics are empty when skipped.
+
+        Raises if a server refuses or does not confirm in time: training on with stale servers
+        would silently turn the run off-policy.
+        """
+        if policy_version % self.every_k_steps != 0:
+            return {}
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        for i, transport in enumerate(self.transports):
+            t = time.perf_counter()
+            transport.push(model, policy_version)
+            metrics[f"broadcast/server{i}_seconds"] = time.perf_counter() - t
+        metrics["broadcast/seconds"] = time.perf_counter() - start
+        metrics["broadcast/version"] = float(policy_version)
+        logger.info("broadcast policy version %d to %d server(s) in %.2fs", policy_version, len(self.transports), metrics["broadcast/seconds"])
+        return metrics

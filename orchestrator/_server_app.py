@@ -1,0 +1,382 @@
+"""HTTP layer of the inference server: OpenAI routes, vLLM extensions, weight-update routes, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from marin_rl.orchestrator._server_config import InferenceServerConfig
+from marin_rl.orchestrator._server_engine import EngineWorker, GenerationJob, JobResult, PromptScores
+from marin_rl.orchestrator._server_protocol import (
+    ApiError,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Logprob,
+    PromptLogprobs,
+    Usage,
+    WeightUpdateRequest,
+    WeightVersionResponse,
+    bad_request,
+    token_string,
+    truncate_at_stop,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightUpdates:
+    """What POST /v1/weights/update needs: the token, a checkpoint loader and the swap."""
+
+    token: str
+    load: Callable[[str], Any]
+    """Checkpoint directory -> model (blocking; run in a thread)."""
+    swap: Callable[[Any, int], Any]
+    """(model, policy_version) -> swap timing (blocking; run in a thread)."""
+
+
+@dataclass
+class _Choice:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+class _Handler:
+    """Turns validated requests into engine jobs and engine results into responses."""
+
+    def __init__(self, config: InferenceServerConfig, tokenizer, worker: EngineWorker, vocab_size: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.worker = worker
+        self.vocab_size = vocab_size
+        self._rng = np.random.default_rng(config.seed)
+
+    # -------------------------------------------------------------------------------------- requests
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.config.model_name}`.", param="model")
+        return self.config.model_name
+
+    def check_prompt_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=param)
+        return ids
+
+    def jobs(self, request, prompts: list[list[int]], max_tokens: int | None) -> list[GenerationJob]:
+        request.check_supported()
+        limit = self.config.max_seq_len
+        if request.n > self.config.max_seqs:
+            raise bad_request(f"n={request.n} exceeds the server's max_seqs={self.config.max_seqs}", param="n")
+        k = request.prompt_logprobs
+        if k is not None and not 0 <= k <= self.config.max_logprobs:
+            raise bad_request(f"prompt_logprobs must be in [0, {self.config.max_logprobs}], got {k}", param="prompt_logprobs")
+        stop_sequences = self._stop_sequences(request)
+        seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31))
+        jobs = []
+        for prompt in prompts:
+            budget = max_tokens if max_tokens is not None else limit - len(prompt)
+            if len(prompt) + max(budget, 1) > limit:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(prompt) + budget} tokens ({len(prompt)} in the prompt, {budget} in the completion). "
+                    "Please reduce the length of the prompt or of max_tokens.",
+                    param="max_tokens",
+                )
+            jobs.append(GenerationJob(prompt, request.n, budget, request.temperature, seed, stop_sequences, k))
+        return jobs
+
+    def _stop_sequences(self, request) -> list[list[int]]:
+        # Stop token ids and EOS must end generation on device; stop strings are best effort there
+        # (they are always applied to the returned text) and are only sent when their tokens
+        # decode back to the string exactly.
+        ids = list(dict.fromkeys(request.stop_token_ids or []))
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}", param="stop_token_ids")
+        # Upstream: with no stop token, Levanter's engine does not end a sequence at a sampled EOS.
+        eos = self.tokenizer.eos_token_id
+        if not request.ignore_eos and eos is not None and eos not in ids:
+            ids.insert(0, eos)
+        sequences = [[t] for t in ids]
+        capacity = self.config.max_stop_sequences
+        if len(sequences) > capacity:
+            raise bad_request(f"at most {capacity - 1} stop_token_ids are supported, got {len(ids)}", param="stop_token_ids")
+        for stop in request.stop_strings():
+            tokens = self.tokenizer.encode(stop, add_special_tokens=False)
+            fits = 0 < len(tokens) <= self.config.max_stop_tokens and len(sequences) < capacity
+            if fits and self.tokenizer.decode(tokens) == stop:
+                sequences.append(tokens)
+        return sequences
+
+    async def run(self, jobs: list[GenerationJob]) -> list[JobResult]:
+        futures = [self.worker.submit(job) for job in jobs]
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.config.request_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise ApiError(
+                504,
+                f"no answer within request_timeout_s={self.config.request_timeout_s} s "
+                "(queued behind other requests or generation too long)",
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise ApiError(503, "the inference server is shutting down") from None
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; drops queued jobs of a timed-out request
+
+    # ------------------------------------------------------------------------------------- responses
+
+    def choices(self, request, job: GenerationJob, result: JobResult) -> list[_Choice]:
+        stops = request.stop_strings()
+        stop_ids = set(request.stop_token_ids or [])
+        eos = None if request.ignore_eos else self.tokenizer.eos_token_id
+
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
+
+        out = []
+        for sample in result.samples:
+            ids = sample.token_ids
+            kept, text, stop_string = truncate_at_stop(ids, decode, stops, request.include_stop_str_in_output)
+            ids = ids[:kept]
+            if stop_string is not None:
+                finish, reason = "stop", stop_string
+            elif ids and ids[-1] in stop_ids:
+                finish, reason = "stop", ids[-1]
+            elif ids and ids[-1] == eos:
+                finish, reason = "stop", None
+            elif len(ids) == job.max_tokens:
+                finish, reason = "length", None
+            else:
+                raise ApiError(500, f"the engine returned {len(ids)} tokens without a stop (max_tokens={job.max_tokens})")
+            out.append(_Choice(ids, sample.logprobs[:kept], text, finish, reason))
+        return out
+
+    def prompt_logprobs(self, prompt: list[int], scores: PromptScores | None) -> PromptLogprobs | None:
+        if scores is None:
+            return None
+        entries: PromptLogprobs = [None]
+        for t in range(len(prompt) - 1):
+            token = prompt[t + 1]
+            entry = {token: Logprob(logprob=float(scores.logprobs[t]), rank=int(scores.ranks[t]), decoded_token=self.tokenizer.decode([token]))}
+            for rank, (alt, lp) in enumerate(zip(scores.top_ids[t].tolist(), scores.top_logprobs[t].tolist()), start=1):
+                entry.setdefault(alt, Logprob(logprob=float(lp), rank=rank, decoded_token=self.tokenizer.decode([alt])))
+            entries.append(entry)
+        return entries
+
+    def usage(self, prompts: list[list[int]], choices: list[_Choice]) -> Usage:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+def _render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
+    messages = [m.to_template() for m in request.messages]
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            tokenize=True,
+            **(request.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # a template error is the request's fault (bad roles/order for this template)
+        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from e
+    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [handler.check_prompt_ids(list(prompt), "prompt")]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    out = []
+    for p in prompt:
+        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        out.append(handler.check_prompt_ids(ids, "prompt"))
+    return out
+
+
+def build_app(
+    config: InferenceServerConfig,
+    tokenizer,
+    worker: EngineWorker,
+    vocab_size: int,
+    weight_updates: WeightUpdates | None = None,
+) -> FastAPI:
+    """The FastAPI app; /v1/weights/update is mounted only when `weight_updates` is given."""
+    app = FastAPI(title="marin-rl inference server")
+    handler = _Handler(config, tokenizer, worker, vocab_size)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        problems = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+        return JSONResponse(ApiError(400, f"invalid request: {problems}", param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        logger.exception("inference request failed")
+        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "policy_version": worker.policy_version}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "marin-rl", "max_model_len": config.max_seq_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_none=False)
+    async def chat_completions(request: ChatCompletionRequest) -> ChatCompletionResponse:
+        model = handler.check_model(request.model)
+        prompt = handler.check_prompt_ids(_render_chat(tokenizer, request), "messages")
+        (job,) = handler.jobs(request, [prompt], request.requested_max_tokens())
+        (result,) = await handler.run([job])
+        choices = handler.choices(request, job, result)
+        with_logprobs = request.logprobs is not False
+        as_ids = request.return_tokens_as_token_ids
+        return ChatCompletionResponse(
+            model=model,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=ChatChoiceLogprobs(
+                        content=[
+                            ChatTokenLogprob(token=(s := token_string(tokenizer, t, as_ids)), logprob=lp, bytes=list(s.encode()))
+                            for t, lp in zip(c.token_ids, c.logprobs)
+                        ]
+                    )
+                    if with_logprobs
+                    else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if request.return_token_ids else None,
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=handler.usage([prompt], choices),
+            prompt_token_ids=prompt if request.return_token_ids else None,
+            prompt_logprobs=handler.prompt_logprobs(prompt, result.prompt_scores),
+            policy_version=result.policy_version,
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(request: CompletionRequest) -> CompletionResponse:
+        model = handler.check_model(request.model)
+        prompts = _completion_prompts(handler, tokenizer, request.prompt)
+        jobs = handler.jobs(request, prompts, request.requested_max_tokens())
+        results = await handler.run(jobs)
+        as_ids = request.return_tokens_as_token_ids
+        with_logprobs = request.logprobs is not None or "logprobs" not in request.model_fields_set
+        choices, all_choices = [], []
+        for prompt, job, result in zip(prompts, jobs, results):
+            prompt_logprobs = handler.prompt_logprobs(prompt, result.prompt_scores)
+            for c in handler.choices(request, job, result):
+                tokens = [token_string(tokenizer, t, as_ids) for t in c.token_ids]
+                offsets = np.cumsum([0] + [len(tokenizer.decode([t])) for t in c.token_ids[:-1]]).tolist()
+                choices.append(
+                    CompletionChoice(
+                        index=len(choices),
+                        text=c.text,
+                        logprobs=CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets)
+                        if with_logprobs
+                        else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        token_ids=c.token_ids if request.return_token_ids else None,
+                        prompt_token_ids=prompt if request.return_token_ids else None,
+                        prompt_logprobs=prompt_logprobs,
+                    )
+                )
+                all_choices.append(c)
+        return CompletionResponse(
+            model=model,
+            choices=choices,
+            usage=handler.usage(prompts, all_choices),
+            policy_version=min(r.policy_version for r in results),
+        )
+
+    @app.get("/v1/weights/version", response_model=WeightVersionResponse)
+    async def weights_version() -> WeightVersionResponse:
+        return WeightVersionResponse(policy_version=worker.policy_version)
+
+    if weight_updates is not None:
+        _mount_weight_update(app, worker, weight_updates)
+    return app
+
+
+def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpdates) -> None:
+    lock = asyncio.Lock()
+
+    @app.post("/v1/weights/update", response_model=WeightVersionResponse)
+    async def update_weights(body: WeightUpdateRequest, authorization: str | None = Header(default=None)):
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing bearer token: send `Authorization: Bearer <weight_update_token>`")
+        if not secrets.compare_digest(token.encode(), updates.token.encode()):
+            raise ApiError(403, "wrong weight-update token")
+        async with lock:  # one update at a time, in order
+            if body.policy_version < worker.policy_version:
+                raise ApiError(
+                    409, f"policy_version {body.policy_version} is older than the served {worker.policy_version}", param="policy_version"
+                )
+            if not os.path.isdir(body.path):
+                raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
+            start = time.perf_counter()
+            try:
+                model = await asyncio.to_thread(updates.load, body.path)
+            except Exception as e:
+                raise bad_request(f"could not load checkpoint {body.path!r}: {type(e).__name__}: {e}", param="path") from e
+            load_seconds = time.perf_counter() - start
+            try:
+                swap = await asyncio.to_thread(updates.swap, model, body.policy_version)
+            except ValueError as e:
+                raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
+        logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
+        return WeightVersionResponse(policy_version=worker.policy_version, load_seconds=load_seconds, swap_seconds=swap.total_seconds)
+

@@ -1,0 +1,61 @@
+"""`marin-rl serve`: a server process that loads an HF checkpoint and takes new weights over HTTP.
+
+    python -m marin_rl.orchestrator._server_process --checkpoint DIR [--server.port 8000] ...
+
+POST /v1/weights/update (bearer token) loads a new checkpoint and swaps it in; see docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+
+from marin_rl.orchestrator._server_config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def serve_main(config: ServeConfig) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    # Heavy imports after the config is parsed.
+    from marin_rl.orchestrator._inference_server import PolicyServer
+    from marin_rl.orchestrator._server_checkpoint import load_hf_checkpoint
+    from marin_rl.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
+    load = functools.partial(load_hf_checkpoint, tokenizer=tokenizer, dtype=config.server.compute_dtype)
+    model = load(config.checkpoint)
+    server = PolicyServer(config.server, model, tokenizer, config.policy_version, weight_loader=load)
+    del model  # the server holds its own copy
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    logger.info("serving %s (policy version %d) at %s", config.checkpoint, config.policy_version, server.base_url)
+    if config.ready_file is not None:
+        _write_atomically(config.ready_file, json.dumps({"base_url": server.base_url, "pid": os.getpid()}))
+    try:
+        stop.wait()
+    finally:
+        server.shutdown()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    import draccus
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_main(draccus.parse(ServeConfig))

@@ -1,0 +1,216 @@
+"""The HTTP layer of the inference server against a scripted engine worker (no JAX compilation).
+
+The real engine is exercised in test_inference_server.py; here the wire format, the vLLM extensions,
+stop handling, validation errors and timeouts are checked quickly.
+"""
+
+import asyncio
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from marin_rl.orchestrator import InferenceServerConfig
+from marin_rl.orchestrator._server_app import build_app
+from marin_rl.orchestrator._server_engine import JobResult, PromptScores, Sample
+from marin_rl.orchestrator._server_protocol import truncate_at_stop
+from marin_rl.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer("char")
+EOS = TOKENIZER.eos_token_id
+VOCAB = len(TOKENIZER)
+CONFIG = InferenceServerConfig(max_seqs=4, max_seq_len=64, request_timeout_s=5.0)
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+class ScriptedWorker:
+    """Answers each job with `completions` (token id lists, cycled over the n samples)."""
+
+    def __init__(self, completions=(), policy_version=3, prompt_scores=None, hang=False):
+        self.completions = [list(c) for c in completions]
+        self.policy_version = policy_version
+        self.prompt_scores = prompt_scores
+        self.hang = hang
+        self.jobs = []
+
+    def submit(self, job):
+        self.jobs.append(job)
+        if not self.hang:
+            samples = [self._sample(self.completions[k % len(self.completions)]) for k in range(job.n)]
+            job.future.set_result(JobResult(samples, self.prompt_scores if job.prompt_logprobs is not None else None, self.policy_version))
+        return job.future
+
+    @staticmethod
+    def _sample(token_ids):
+        return Sample(token_ids, [-0.5 - 0.01 * i for i in range(len(token_ids))])
+
+
+def client_for(worker, config=CONFIG):
+    app = build_app(config, TOKENIZER, worker, VOCAB)
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=TestClient(app), max_retries=0)
+
+
+def chat(client, **kwargs):
+    kwargs.setdefault("messages", [{"role": "user", "content": "hi"}])
+    kwargs.setdefault("model", "policy")
+    return client.chat.completions.create(**kwargs)
+
+
+def test_chat_response_carries_token_ids_logprobs_prompt_ids_and_policy_version():
+    worker = ScriptedWorker([ids("ab") + [EOS], ids("xyz")])
+    r = chat(client_for(worker), n=2, max_tokens=3)
+    prompt = TOKENIZER.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert r.prompt_token_ids == prompt == worker.jobs[0].prompt_ids
+    assert r.policy_version == 3
+    first, second = r.choices
+    assert first.token_ids == ids("ab") + [EOS] and first.message.content == "ab"
+    assert (first.finish_reason, first.stop_reason) == ("stop", None)
+    assert [c.token for c in first.logprobs.content] == ["a", "b", "<|end|>"]
+    assert [c.logprob for c in first.logprobs.content] == pytest.approx([-0.5, -0.51, -0.52])
+    assert (second.message.content, second.finish_reason) == ("xyz", "length")
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 6
+
+
+def test_chat_default_max_tokens_fills_the_context_and_eos_is_a_device_stop():
+    worker = ScriptedWorker([[EOS]])
+    chat(client_for(worker))
+    (job,) = worker.jobs
+    assert job.max_tokens == CONFIG.max_seq_len - len(job.prompt_ids)
+    assert job.stop_sequences == [[EOS]]
+    chat(client_for(worker), max_tokens=1, extra_body={"ignore_eos": True, "stop_token_ids": [7]}, stop=["qq"])
+    assert worker.jobs[-1].stop_sequences == [[7], ids("qq")]
+
+
+def test_stop_string_cuts_text_and_tokens_like_vllm():
+    completion = ids("abcXYZdef")
+    r = chat(client_for(ScriptedWorker([completion])), stop=["Z", "XY"], max_tokens=9)
+    (c,) = r.choices
+    assert (c.message.content, c.finish_reason, c.stop_reason) == ("abc", "stop", "XY")
+    assert c.token_ids == ids("abcXY") and len(c.logprobs.content) == 5
+    r = chat(client_for(ScriptedWorker([completion])), stop="XY", max_tokens=9, extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == "abcXY" and r.choices[0].token_ids == ids("abcXY")
+
+
+def test_stop_token_id_is_reported_as_stop_reason():
+    r = chat(client_for(ScriptedWorker([ids("ab!")])), max_tokens=5, extra_body={"stop_token_ids": ids("!")})
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason, r.choices[0].token_ids) == ("stop", ids("!")[0], ids("ab!"))
+
+
+def test_completions_with_token_id_prompts_and_return_tokens_as_token_ids():
+    worker = ScriptedWorker([ids("hi"), ids("yo")], policy_version=5)
+    client = client_for(worker)
+    r = client.completions.create(
+        model="policy", prompt=[[10, 11], [12]], n=2, max_tokens=2, logprobs=1, extra_body={"return_tokens_as_token_ids": True}
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.prompt_token_ids for c in r.choices] == [[10, 11], [10, 11], [12], [12]]
+    assert r.choices[1].text == "yo" and r.choices[1].token_ids == ids("yo")
+    assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids("hi")]
+    assert r.choices[0].logprobs.text_offset == [0, 1]
+    assert r.policy_version == 5 and r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 8
+    r = client.completions.create(model="policy", prompt=[10, 11, 12], max_tokens=2)
+    assert r.choices[0].prompt_token_ids == [10, 11, 12] and worker.jobs[-1].prompt_ids == [10, 11, 12]
+    r = client.completions.create(model="policy", prompt="ab", max_tokens=2, extra_body={"return_token_ids": False})
+    assert r.choices[0].token_ids is None and r.choices[0].prompt_token_ids is None
+
+
+def test_prompt_logprobs_follow_vllm_layout():
+    prompt = ids("abc")
+    scores = PromptScores(
+        logprobs=np.array([-1.0, -2.0]),
+        ranks=np.array([1, 3]),
+        top_ids=np.array([[prompt[1], 50], [60, 61]]),
+        top_logprobs=np.array([[-1.0, -3.0], [-0.5, -1.5]]),
+    )
+    client = client_for(ScriptedWorker([ids("x")], prompt_scores=scores))
+    r = client.completions.create(model="policy", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    entries = r.choices[0].prompt_logprobs
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert entries[1] == {str(prompt[1]): {"logprob": -1.0, "rank": 1, "decoded_token": "b"}, "50": {"logprob": -3.0, "rank": 2, "decoded_token": TOKENIZER.decode([50])}}
+    assert entries[2][str(prompt[2])] == {"logprob": -2.0, "rank": 3, "decoded_token": "c"}
+    assert set(entries[2]) == {str(prompt[2]), "60", "61"}
+    chat_prompt = TOKENIZER.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    m = len(chat_prompt) - 1
+    scores = PromptScores(np.full(m, -1.0), np.ones(m, int), np.zeros((m, 0), int), np.zeros((m, 0)))
+    r = chat(client_for(ScriptedWorker([ids("x")], prompt_scores=scores)), max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(chat_prompt)
+    assert r.prompt_logprobs[-1] == {str(chat_prompt[-1]): {"logprob": -1.0, "rank": 1, "decoded_token": "<|assistant|>"}}
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"messages": [{"role": "bogus", "content": "hi"}]}, "messages.0.role"),
+        ({"max_tokens": 1000}, "max_tokens"),
+        ({"n": 5}, "n"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"stream": True}, "stream"),
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
+)
+def test_bad_requests_get_400_with_an_openai_error(kwargs, param):
+    worker = ScriptedWorker([ids("a")])
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client_for(worker), **kwargs)
+    assert e.value.status_code == 400 and e.value.body["param"] == param and e.value.body["message"]
+    assert worker.jobs == []
+
+
+def test_unknown_model_is_404_and_error_body_is_openai_shaped():
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        chat(client_for(ScriptedWorker([ids("a")])), model="gpt-9")
+    http = TestClient(build_app(CONFIG, TOKENIZER, ScriptedWorker([ids("a")]), VOCAB))
+    response = http.post("/v1/completions", json={"prompt": [VOCAB + 3], "max_tokens": 1})
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert http.post("/v1/completions", content=b"{not json").status_code == 400
+    assert http.post("/v1/weights/update", json={"path": "/x", "policy_version": 1}).status_code == 404
+
+
+def test_a_request_that_is_not_answered_in_time_gets_504_and_leaves_the_queue():
+    worker = ScriptedWorker(hang=True)
+    client = client_for(worker, InferenceServerConfig(max_seqs=4, max_seq_len=64, request_timeout_s=0.2))
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(client, max_tokens=2)
+    assert e.value.status_code == 504 and "request_timeout_s" in e.value.message
+    assert worker.jobs[0].future.cancelled()
+
+
+def test_async_client_models_and_health():
+    app = build_app(CONFIG, TOKENIZER, ScriptedWorker([ids("ok")]), VOCAB)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+            rs = await asyncio.gather(*(chat(client, max_tokens=2) for _ in range(3)))
+            models = await client.models.list()
+            health = (await http.get("/health")).json()
+            version = (await http.get("/v1/weights/version")).json()
+        return rs, models, health, version
+
+    rs, models, health, version = asyncio.run(go())
+    assert [r.choices[0].message.content for r in rs] == ["ok"] * 3
+    assert [m.id for m in models.data] == ["policy"]
+    assert health == {"status": "ok", "policy_version": 3} and version["policy_version"] == 3
+
+
+def test_truncate_at_stop_keeps_the_token_that_completed_the_stop():
+    tokens = ["ab", "c", "de", "f"]
+
+    def decode(ts):
+        return "".join(ts)
+
+    assert truncate_at_stop(tokens, decode, ["cd"], False) == (3, "ab", "cd")
+    assert truncate_at_stop(tokens, decode, ["cd"], True) == (3, "abcd", "cd")
+    assert truncate_at_stop(tokens, decode, ["f", "b"], False) == (1, "a", "b")
+    assert truncate_at_stop(tokens, decode, ["zz"], False) == (4, "abcdef", None)
+    assert truncate_at_stop(tokens, decode, [], False) == (4, "abcdef", None)
+
