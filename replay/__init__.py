@@ -10,7 +10,7 @@ from marin_rl.replay._advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from marin_rl.replay._batcher import Batch, Batcher, BatcherConfig, build_packed_arrays
+from marin_rl.replay._batcher import Batch, BatchCancelled, Batcher, BatcherConfig, build_packed_arrays
 from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ReplayBufferConfig, ScoredGroup, truncate_rollout
 from marin_rl.replay._packing import BatchPlan, GroupSpec, RowPacker, effective_shares, plan_batch
 
@@ -18,6 +18,7 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageFunction",
     "Batch",
+    "BatchCancelled",
     "BatchPlan",
     "Batcher",
     "BatcherConfig",

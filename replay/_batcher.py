@@ -9,6 +9,7 @@ to `max_wait_s` for it, then goes on without it and reports it (`batches/{env}/s
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal, Mapping
@@ -20,6 +21,10 @@ from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ScoredGroup
 from marin_rl.replay._packing import BatchPlan, effective_shares, plan_batch
 
 logger = logging.getLogger(__name__)
+
+
+class BatchCancelled(Exception):
+    """`next_batch` was cancelled while waiting for rollouts."""
 
 
 @dataclass(frozen=True)
@@ -84,11 +89,14 @@ class Batcher:
         self.config = config
         self._credit: dict[str, float] = {}
 
-    def next_batch(self, policy_version: int, timeout: float | None = None) -> Batch:
+    def next_batch(
+        self, policy_version: int, timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> Batch:
         """Build the next batch for `policy_version` (stale rollouts are dropped first).
 
         Waits up to `max_wait_s` for short envs; after that builds from what there is, unless
         there is nothing at all, in which case it keeps waiting until `timeout` (TimeoutError).
+        Setting `cancel` ends the wait with `BatchCancelled`.
         """
         for buffer in self.buffers.values():
             buffer.set_policy_version(policy_version)
@@ -104,6 +112,8 @@ class Batcher:
             if waited >= cfg.max_wait_s and any(self._has_data(env) for env in self.buffers):
                 logger.warning("batcher: building without a full share for %s after %.1fs", short, waited)
                 break
+            if cancel is not None and cancel.is_set():
+                raise BatchCancelled(f"batcher: cancelled after waiting {waited:.1f}s for {short}")
             if timeout is not None and waited >= timeout:
                 raise TimeoutError(f"batcher: no rollouts from any env within {timeout:.1f}s (short: {short})")
             self.buffers[short[0]].wait_for_data(min(0.5, max(0.01, cfg.max_wait_s - waited)))
@@ -159,6 +169,8 @@ class Batcher:
             out[prefix + "frac_used"] = plan.tokens.get(env, 0) / total if total else 0.0
             out[prefix + "fraction"] = self.fractions[env]
             out[prefix + "starved"] = float(env in short)
+            if env_groups:
+                out[prefix + "reward_mean"] = float(np.mean([m.rollout.reward for g in env_groups for m in g.members]))
         return {k: float(v) for k, v in out.items()}
 
 

@@ -78,14 +78,14 @@ def test_plan_places_whole_groups_within_rows_and_budget(lengths, num_rows):
 def test_batch_loses_splits_or_duplicates_no_token(groups, num_rows):
     buffers = {env: ReplayBuffer(env, ReplayBufferConfig(min_group_size=1)) for env in groups}
     originals = {}
-    for env, gs in groups.items():
+    for env_index, (env, gs) in enumerate(groups.items()):
         for i, completion_lens in enumerate(gs):
             rollouts = make_group(
                 [float(k) for k in range(len(completion_lens))],
                 env=env,
                 group_id=f"{env}-{i}",
                 completion_lens=completion_lens,
-                seed=i * 10,
+                seed=env_index * 1000 + i * 10,  # distinct tokens per rollout, to find each in the batch
             )
             buffers[env].add(rollouts)
             originals.update({r.rollout_uid: r for r in rollouts})
@@ -209,3 +209,13 @@ def test_batch_converts_to_named_arrays():
     assert example.Batch.size == 2 and example.Pos.size == 64
     assert example.input_ids.axes == example.advantages.axes
     np.testing.assert_array_equal(np.asarray(example.loss_mask.array), batch.packed.loss_mask)
+
+
+def test_waiting_batcher_can_be_cancelled():
+    from marin_rl.replay import BatchCancelled
+
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    config = BatcherConfig(total_token_budget=128, max_seq_len=128, max_wait_s=30.0)
+    with pytest.raises(BatchCancelled):
+        Batcher({"a": ReplayBuffer("a")}, {"a": 1.0}, config).next_batch(policy_version=0, cancel=cancel)
