@@ -181,6 +181,10 @@ class Env:
             for name, (attr, weight) in self._reward_specs.items()
         }
 
+    def default_reward_weights(self) -> dict[str, float]:
+        """Name -> weight of every reward this env produces, before run-config overrides."""
+        return {name: weight for name, (_, weight) in self.reward_functions().items()}
+
 
 # --- registry -----------------------------------------------------------------------------------
 

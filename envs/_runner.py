@@ -49,7 +49,7 @@ def resolve_settings(
     max_turns: int | None = None,
 ) -> RolloutSettings:
     """Run-config values where given, else the env's defaults."""
-    weights = {name: weight for name, (_, weight) in env.reward_functions().items()}
+    weights = env.default_reward_weights()
     unknown = set(reward_weights or {}) - set(weights)
     if unknown:
         raise ValueError(f"env {env.name!r}: reward_weights names unknown rewards {sorted(unknown)}; has {sorted(weights)}")

@@ -130,7 +130,9 @@ class OpenAISampler(Sampler):
             logprobs=1,
             stop=list(params.stop) or None,
             seed=params.seed,
-            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+            # vLLM extensions: sampled ids, ids in logprob tokens, and stop strings kept in the ids
+            # (a tool call's closing tag stays in the assistant turn on every server).
+            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "include_stop_str_in_output": True},
         )
         latency_s = time.perf_counter() - start
         return parse_completions(
