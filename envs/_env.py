@@ -199,8 +199,10 @@ def register_env(name: str) -> Callable[[E], E]:
     def register(cls: E) -> E:
         if not (isinstance(cls, type) and issubclass(cls, Env)):
             raise TypeError(f"register_env({name!r}): {cls!r} is not an Env subclass")
-        if name in _ENV_TYPES and _ENV_TYPES[name] is not cls:
-            raise ValueError(f"env type {name!r} is already registered to {_ENV_TYPES[name].__qualname__}")
+        old = _ENV_TYPES.get(name)
+        # Re-running a definition (a notebook cell, a reloaded module) replaces it; another class may not.
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"env type {name!r} is already registered to {old.__module__}.{old.__qualname__}")
         _ENV_TYPES[name] = cls
         cls._registered_name = name
         return cls

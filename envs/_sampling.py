@@ -96,6 +96,9 @@ class Sampler(ABC):
     async def sample(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> list[Completion]:
         """`n` completions of `prompt_ids`, in order."""
 
+    async def aclose(self) -> None:
+        """Release connections; call before the event loop closes."""
+
 
 class OpenAISampler(Sampler):
     """Samples from an OpenAI-compatible server with vLLM's token-id extensions.
@@ -116,6 +119,9 @@ class OpenAISampler(Sampler):
         from openai import AsyncOpenAI
 
         return cls(AsyncOpenAI(base_url=base_url, api_key=api_key), model, **kwargs)
+
+    async def aclose(self) -> None:
+        await self.client.close()
 
     async def sample(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> list[Completion]:
         prompt = [int(t) for t in prompt_ids]
