@@ -12,9 +12,9 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +24,8 @@ from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics, score
 from marin_rl.envs._sampling import Completion, Sampler, SamplingParams
 from marin_rl.types import Rollout
+
+T = TypeVar("T")
 
 SOLVED = 1.0 - 1e-6
 """A rollout counts as solved for pass@k when its success reward reaches 1."""
@@ -98,11 +100,18 @@ async def run_turns(
     if len(first) != n:
         raise RuntimeError(f"env {env.name!r}: sampler returned {len(first)} completions, asked for {n}")
     group_id = uuid.uuid4().hex
-    return list(
-        await asyncio.gather(
-            *(_one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first)
-        )
-    )
+    return await gather_all(_one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first)
+
+
+async def gather_all(coroutines: Iterable[Awaitable[T]]) -> list[T]:
+    """`asyncio.gather`, but one failure cancels the rest instead of leaving them sampling unseen."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 async def _one_rollout(
@@ -249,7 +258,7 @@ async def evaluate(
                 metrics=metrics,
             )
 
-    groups = await asyncio.gather(*(one(p) for p in problems))
+    groups = await gather_all(one(p) for p in problems)
     rollouts = [r for group in groups for r in group]
     names = rollouts[0].rewards.keys()
     return EvalResult(

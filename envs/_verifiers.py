@@ -19,7 +19,6 @@ or returns NaN) give reward 0 with the error recorded; any other failure of the 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import math
@@ -33,7 +32,7 @@ from marin_rl.envs._env import Env, register_env
 from marin_rl.envs._optional import import_optional
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics
-from marin_rl.envs._runner import RolloutSettings
+from marin_rl.envs._runner import RolloutSettings, gather_all
 from marin_rl.envs._sampling import Sampler, SamplingParams
 from marin_rl.types import Rollout
 
@@ -86,7 +85,7 @@ class VerifiersEnv(Env):
 
         group_id = uuid.uuid4().hex
         async with Interception() as server:
-            traces = await asyncio.gather(*(self._run(task, harness, server, settings) for _ in range(n)))
+            traces = await gather_all(self._run(task, harness, server, settings) for _ in range(n))
         return [self._to_rollout(problem, trace, client, settings, metrics, group_id) for trace in traces]
 
     async def _run(self, task: Any, harness: Any, server: Any, settings: RolloutSettings) -> Any:

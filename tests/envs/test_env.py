@@ -254,3 +254,30 @@ def test_evaluate_reports_pass_at_k_greedily(tokenizer):
     assert "envs/Echo/rollouts" not in env.metrics.as_dict()  # eval counters stay apart
     with pytest.raises(ValueError, match="no eval_problems"):
         asyncio.run(evaluate(env, sampler))
+
+
+def test_a_failed_rollout_cancels_the_rest_of_its_group(tokenizer):
+    from marin_rl.envs import Sampler
+
+    class FailsLater(Sampler):
+        def __init__(self):
+            self.scripted = ScriptedSampler(tokenizer, ["call"])
+            self.calls = 0
+            self.cancelled = False
+
+        async def sample(self, prompt_ids, n, params):
+            self.calls += 1
+            if self.calls == 1:
+                return await self.scripted.sample(prompt_ids, n, params)
+            if self.calls == 2:
+                raise ConnectionError("server gone")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+
+    sampler = FailsLater()
+    with pytest.raises(ConnectionError, match="server gone"):
+        _rollouts(Tool().bind(tokenizer), sampler, n=2)
+    assert sampler.cancelled
