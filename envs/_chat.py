@@ -163,10 +163,14 @@ class Transcript:
         sampled = self._segments[-1].token_ids
         if rendered[: len(sampled)] == sampled:
             return rendered[len(sampled) :]
-        # The sampled ids are not how the tokenizer encodes their text (non-canonical sampling):
-        # find the template's closing scaffold after the content instead.
-        content = self.tokenizer.encode(self._messages[-1]["content"], add_special_tokens=False)
-        if rendered[: len(content)] != content:
+        # The sampled ids are not how the template renders their text (non-canonical sampling, or a
+        # template that trims whitespace): find its closing scaffold after the content instead.
+        text = self._messages[-1]["content"]
+        for candidate in dict.fromkeys((text, text.strip())):
+            content = self.tokenizer.encode(candidate, add_special_tokens=False)
+            if rendered[: len(content)] == content:
+                break
+        else:
             raise self._error("an earlier assistant turn is re-rendered differently from its content")
         closing = rendered[len(content) :]
         # The model may have sampled the start of the scaffold itself (EOS): add only the rest.

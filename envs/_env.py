@@ -156,7 +156,8 @@ class Env:
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             raise RuntimeError(
-                f"env {self.name!r} has no tokenizer: build it with build_env(..., tokenizer=...) or call env.bind(tokenizer)"
+                f"env {self.name!r} has no tokenizer: build it with build_env(..., tokenizer=...) "
+                "or call env.bind(tokenizer)"
             )
         return self._tokenizer
 

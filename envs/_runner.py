@@ -100,7 +100,9 @@ async def run_turns(
     if len(first) != n:
         raise RuntimeError(f"env {env.name!r}: sampler returned {len(first)} completions, asked for {n}")
     group_id = uuid.uuid4().hex
-    return await gather_all(_one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first)
+    return await gather_all(
+        _one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first
+    )
 
 
 async def gather_all(coroutines: Iterable[Awaitable[T]]) -> list[T]:
@@ -144,6 +146,10 @@ async def _one_rollout(
         if not new_messages:
             stop_reason = "env"
             break
+        if not isinstance(new_messages, list):
+            raise TypeError(
+                f"env {env.name!r}: interact must return a list of messages or None, got {type(new_messages).__name__}"
+            )
         transcript.add_messages(new_messages)
         [completion] = await sampler.sample(transcript.token_ids, 1, settings.sampling)
     messages = transcript.messages

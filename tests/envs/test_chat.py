@@ -68,6 +68,23 @@ def test_sampled_ids_that_are_not_the_canonical_encoding_are_kept(tokenizer):
     assert tokenizer.decode(ids[before:]) == "<|end|><|user|>more<|end|><|assistant|>"
 
 
+def test_template_that_trims_content_keeps_the_untrimmed_sampled_ids(tokenizer):
+    trimming = copy.deepcopy(tokenizer)
+    # Like Llama 3's template: `message['content'] | trim`.
+    trimming.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    transcript = Transcript(trimming, [{"role": "user", "content": "q"}])
+    sampled = [*_encode(tokenizer, " 42\n"), tokenizer.eos_token_id]
+    transcript.add_completion(_completion(sampled))
+    start = len(transcript.token_ids)
+    transcript.add_messages([{"role": "user", "content": "and?"}])
+    ids = transcript.token_ids
+    assert ids[start - len(sampled) : start] == sampled
+    assert tokenizer.decode(ids[start:]) == "<|user|>and?<|end|><|assistant|>"
+
+
 def test_message_spans_cover_each_message_without_generation_prompts(tokenizer):
     transcript = Transcript(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
     ids = transcript.token_ids
