@@ -28,6 +28,8 @@ class BroadcasterConfig:
     """How long a remote server may take to load and confirm a version before the push fails."""
     keep_exports: int = 2
     """Exported checkpoints kept in `export_dir` (older ones are deleted after a confirmed push)."""
+    export_dtype: str | None = None
+    """dtype of exported weights ("bfloat16" halves them); None keeps float32."""
 
     def __post_init__(self):
         if self.every_k_steps < 1:
@@ -48,6 +50,7 @@ class BroadcasterConfig:
                     tokenizer=tokenizer,
                     timeout_s=self.confirm_timeout_s,
                     keep_exports=self.keep_exports,
+                    export_dtype=self.export_dtype,
                 )
                 for url in self.remote_servers
             ]

@@ -63,8 +63,9 @@ class RemoteTransport(WeightTransport):
     """Export an HF checkpoint (once per version) and ask a remote server to load it.
 
     `export_dir` must be readable by the server at the same path. Checkpoints are written to
-    `export_dir/policy-{version:08d}/` (temp dir, then rename), so transports that share `export_dir`
-    write each version once; all but the newest `keep_exports` are deleted after a confirmed push.
+    `export_dir/policy-{version:08d}/` (temp dir, then rename) with the learner's `save_hf_model`, so
+    transports that share `export_dir` write each version once; all but the newest `keep_exports` are
+    deleted after a confirmed push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class RemoteTransport(WeightTransport):
         tokenizer,
         timeout_s: float = 600.0,
         keep_exports: int = 2,
+        export_dtype: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self._token = token or os.environ.get(WEIGHT_TOKEN_ENV)
@@ -87,6 +89,7 @@ class RemoteTransport(WeightTransport):
         self._tokenizer = tokenizer
         self._timeout_s = timeout_s
         self._keep_exports = keep_exports
+        self._export_dtype = export_dtype
 
     @property
     def name(self) -> str:
@@ -142,21 +145,21 @@ class RemoteTransport(WeightTransport):
             time.sleep(0.5)
 
     def _export(self, model, policy_version: int) -> str:
-        from marin_rl.orchestrator._server_checkpoint import save_hf_checkpoint
+        import jax.numpy as jnp
+
+        from marin_rl.learner import save_hf_model
 
         path = self.export_path(policy_version)
-        if os.path.isdir(path):  # another transport already wrote this version
+        if os.path.isdir(path):  # another transport already wrote this version (written atomically)
             return path
-        tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         start = time.perf_counter()
-        save_hf_checkpoint(model, self._tokenizer, tmp)
-        os.replace(tmp, path)
+        dtype = None if self._export_dtype is None else jnp.dtype(self._export_dtype)
+        save_hf_model(model, self._tokenizer, path, dtype=dtype)
         logger.info("exported policy version %d to %s in %.2fs", policy_version, path, time.perf_counter() - start)
         return path
 
     def _prune(self, policy_version: int) -> None:
-        names = sorted(n for n in os.listdir(self.export_dir) if n.startswith("policy-") and ".tmp-" not in n)
+        names = sorted(n for n in os.listdir(self.export_dir) if n.startswith("policy-"))
         stale = [n for n in names if int(n.removeprefix("policy-")) <= policy_version][: -self._keep_exports]
         for name in stale:
             shutil.rmtree(os.path.join(self.export_dir, name), ignore_errors=True)

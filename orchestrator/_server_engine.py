@@ -30,6 +30,7 @@ from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.inference.utils import INVALID
 from levanter.layers.attention import AttentionMask
 
+import marin_rl._compat  # noqa: F401  (haliax/JAX version workarounds)
 from marin_rl.orchestrator._server_config import InferenceServerConfig
 
 logger = logging.getLogger(__name__)

@@ -23,11 +23,10 @@ def serve_main(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     # Heavy imports after the config is parsed.
     from marin_rl.orchestrator._inference_server import PolicyServer
-    from marin_rl.orchestrator._server_checkpoint import load_hf_checkpoint
     from marin_rl.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
-    load = functools.partial(load_hf_checkpoint, tokenizer=tokenizer, dtype=config.server.compute_dtype)
+    load = functools.partial(_load_checkpoint, tokenizer=tokenizer, dtype=config.server.compute_dtype)
     model = load(config.checkpoint)
     server = PolicyServer(config.server, model, tokenizer, config.policy_version, weight_loader=load)
     del model  # the server holds its own copy
@@ -43,6 +42,18 @@ def serve_main(config: ServeConfig) -> None:
         stop.wait()
     finally:
         server.shutdown()
+
+
+def _load_checkpoint(path: str, *, tokenizer, dtype: str | None):
+    """The checkpoint's model (family from its config.json), floating params in the serving dtype."""
+    import jax.numpy as jnp
+    from transformers import AutoConfig
+
+    from marin_rl.learner import ModelConfig, cast_floating, load_hf_model
+
+    family = AutoConfig.from_pretrained(path).model_type
+    model = load_hf_model(path, ModelConfig(family=family), tokenizer=tokenizer)
+    return model if dtype is None else cast_floating(model, jnp.dtype(dtype))
 
 
 def _write_atomically(path: str, text: str) -> None:

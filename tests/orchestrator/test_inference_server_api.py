@@ -5,6 +5,7 @@ stop handling, validation errors and timeouts are checked quickly.
 """
 
 import asyncio
+import types
 
 import httpx
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from marin_rl.orchestrator import InferenceServerConfig
-from marin_rl.orchestrator._server_app import build_app
+from marin_rl.orchestrator._server_app import WeightUpdates, build_app
 from marin_rl.orchestrator._server_engine import JobResult, PromptScores, Sample
 from marin_rl.orchestrator._server_protocol import truncate_at_stop
 from marin_rl.tokenizer import load_tokenizer
@@ -214,3 +215,49 @@ def test_truncate_at_stop_keeps_the_token_that_completed_the_stop():
     assert truncate_at_stop(tokens, decode, ["zz"], False) == (4, "abcdef", None)
     assert truncate_at_stop(tokens, decode, [], False) == (4, "abcdef", None)
 
+
+
+class SwappableWorker(ScriptedWorker):
+    def __init__(self):
+        super().__init__([ids("a")], policy_version=1)
+        self.model = "weights-v1"
+
+
+def weight_update_app(worker, tmp_path, load=None):
+    def swap(model, version):
+        worker.model, worker.policy_version = model, version
+        return types.SimpleNamespace(total_seconds=0.01)
+
+    updates = WeightUpdates(token="s3cret", load=load or (lambda path: f"weights@{path}"), swap=swap)
+    return TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB, updates))
+
+
+def test_weight_update_needs_the_bearer_token_and_keeps_old_weights_when_refused(tmp_path):
+    worker = SwappableWorker()
+    http = weight_update_app(worker, tmp_path)
+    body = {"path": str(tmp_path), "policy_version": 2}
+    missing = http.post("/v1/weights/update", json=body)
+    wrong = http.post("/v1/weights/update", json=body, headers={"Authorization": "Bearer nope"})
+    not_bearer = http.post("/v1/weights/update", json=body, headers={"Authorization": "s3cret"})
+    assert (missing.status_code, wrong.status_code, not_bearer.status_code) == (401, 403, 401)
+    assert missing.json()["error"]["type"] == "AuthenticationError"
+    assert (worker.model, worker.policy_version) == ("weights-v1", 1)
+    ok = http.post("/v1/weights/update", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["policy_version"] == 2
+    assert (worker.model, worker.policy_version) == (f"weights@{tmp_path}", 2)
+    assert http.get("/v1/weights/version").json()["policy_version"] == 2
+
+
+def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkpoints(tmp_path):
+    def broken(path):
+        raise OSError("no model.safetensors")
+
+    worker = SwappableWorker()
+    auth = {"Authorization": "Bearer s3cret"}
+    http = weight_update_app(worker, tmp_path)
+    assert http.post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 0}, headers=auth).status_code == 409
+    missing = http.post("/v1/weights/update", json={"path": str(tmp_path / "nope"), "policy_version": 2}, headers=auth)
+    assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
+    failed = weight_update_app(worker, tmp_path, load=broken).post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 2}, headers=auth)
+    assert failed.status_code == 400 and "no model.safetensors" in failed.json()["error"]["message"]
+    assert worker.policy_version == 1

@@ -1,0 +1,79 @@
+"""Broadcast to a real `serve` process (a subprocess on 127.0.0.1) and to a colocated server.
+
+Both compile Levanter's engine (tens of seconds each on CPU): slow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import jax
+import openai
+import pytest
+
+from marin_rl.broadcaster import Broadcaster, ColocatedTransport, RemoteTransport, WeightUpdateRefused
+from marin_rl.learner import ModelConfig, build_model, save_hf_model
+from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+from marin_rl.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "s3cret-token"
+SERVER = dict(max_seqs=4, max_seq_len=128, page_size=16, max_rounds=8)
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def tiny_llama(seed: int):
+    config = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=128)
+    return build_model(config, len(load_tokenizer("char")), key=jax.random.PRNGKey(seed))
+
+
+@pytest.fixture
+def serve_process(tmp_path):
+    """A `serve` process started from model 0's checkpoint; yields its base URL."""
+    tokenizer = load_tokenizer("char")
+    checkpoint = save_hf_model(tiny_llama(0), tokenizer, tmp_path / "start")
+    ready = tmp_path / "ready.json"
+    flags = [f"--server.{k}={v}" for k, v in SERVER.items()]
+    command = [sys.executable, "-m", "marin_rl.orchestrator._server_process", f"--checkpoint={checkpoint}", "--server.port=0", f"--ready_file={ready}", *flags]
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen(command, env={**os.environ, "MARIN_RL_WEIGHT_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"serve process did not start:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield json.loads(ready.read_text())["base_url"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+def greedy(base_url: str) -> tuple[list[int], int]:
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300) as client:
+        r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
+    return r.choices[0].token_ids, r.policy_version
+
+
+def test_remote_server_serves_the_broadcast_weights_and_refuses_pushes_without_the_token(serve_process, tmp_path):
+    tokenizer = load_tokenizer("char")
+    model_b = tiny_llama(1)
+    remote = RemoteTransport(serve_process, TOKEN, str(tmp_path / "hf"), tokenizer=tokenizer, timeout_s=300)
+    with PolicyServer(InferenceServerConfig(**SERVER), tiny_llama(0), tokenizer) as local:
+        assert greedy(serve_process) == greedy(local.base_url)  # both start from model 0
+        metrics = Broadcaster([ColocatedTransport(local), remote]).maybe_broadcast(model_b, 1)
+        assert metrics["broadcast/version"] == 1.0 and remote.confirmed_version() == 1
+        served_b = greedy(local.base_url)
+        assert served_b[1] == 1 and greedy(serve_process) == served_b
+
+    # Refused pushes: no token (401), wrong token (403); the remote keeps serving version 1.
+    missing = httpx.post(f"{serve_process}/weights/update", json={"path": remote.export_path(1), "policy_version": 2})
+    assert missing.status_code == 401
+    with pytest.raises(WeightUpdateRefused, match="403"):
+        RemoteTransport(serve_process, "wrong", str(tmp_path / "hf"), tokenizer=tokenizer).push(tiny_llama(0), 2)
+    assert greedy(serve_process) == served_b
