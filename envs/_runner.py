@@ -40,6 +40,17 @@ class RolloutSettings:
     """Every reward of the env -> its weight."""
     verifier_timeout_s: float
     max_turns: int
+    max_total_tokens: int | None = None
+    """Longest rollout in tokens (prompt and all turns), e.g. the learner's row length; None: no cap."""
+
+    def turn_sampling(self, prompt_len: int) -> SamplingParams | None:
+        """Sampling for a turn after `prompt_len` tokens: `max_tokens` cut to the room left; None if none is."""
+        if self.max_total_tokens is None:
+            return self.sampling
+        room = self.max_total_tokens - prompt_len
+        if room < 1:
+            return None
+        return self.sampling if room >= self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
 
 
 def resolve_settings(
@@ -49,6 +60,7 @@ def resolve_settings(
     reward_weights: Mapping[str, float] | None = None,
     verifier_timeout_s: float | None = None,
     max_turns: int | None = None,
+    max_total_tokens: int | None = None,
 ) -> RolloutSettings:
     """Run-config values where given, else the env's defaults."""
     weights = env.default_reward_weights()
@@ -62,7 +74,9 @@ def resolve_settings(
     timeout = env.verifier_timeout_s if verifier_timeout_s is None else verifier_timeout_s
     if not timeout > 0:
         raise ValueError(f"env {env.name!r}: verifier_timeout_s must be > 0, got {timeout}")
-    return RolloutSettings(env.sampling.merged(sampling), weights, float(timeout), turns)
+    if max_total_tokens is not None and max_total_tokens < 2:
+        raise ValueError(f"env {env.name!r}: max_total_tokens must be >= 2, got {max_total_tokens}")
+    return RolloutSettings(env.sampling.merged(sampling), weights, float(timeout), turns, max_total_tokens)
 
 
 async def sample_group(
@@ -75,13 +89,23 @@ async def sample_group(
     reward_weights: Mapping[str, float] | None = None,
     verifier_timeout_s: float | None = None,
     max_turns: int | None = None,
+    max_total_tokens: int | None = None,
     metrics: EnvMetrics | None = None,
 ) -> list[Rollout]:
-    """`n` scored rollouts of `problem`, sharing one `group_id`. Counts go to `metrics` (default `env.metrics`)."""
+    """`n` scored rollouts of `problem`, sharing one `group_id`. Counts go to `metrics` (default `env.metrics`).
+
+    With `max_total_tokens`, no rollout grows past it: a turn's `max_tokens` is cut to the room left
+    and a conversation with no room left ends (truncated); a prompt that alone is too long raises.
+    """
     if n < 1:
         raise ValueError(f"sample_group: n must be >= 1, got {n}")
     settings = resolve_settings(
-        env, sampling, reward_weights=reward_weights, verifier_timeout_s=verifier_timeout_s, max_turns=max_turns
+        env,
+        sampling,
+        reward_weights=reward_weights,
+        verifier_timeout_s=verifier_timeout_s,
+        max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
     )
     metrics = env.metrics if metrics is None else metrics
     rollouts = await env.sample_rollouts(problem, sampler, n, settings, metrics)
@@ -96,7 +120,13 @@ async def run_turns(
 ) -> list[Rollout]:
     """The default loop behind `Env.sample_rollouts`: sample, `interact`, repeat; then score."""
     prompt = Transcript(env.tokenizer, env.build_messages(problem))
-    first = await sampler.sample(prompt.token_ids, n, settings.sampling)
+    sampling = settings.turn_sampling(len(prompt.token_ids))
+    if sampling is None:
+        raise ValueError(
+            f"env {env.name!r}: the prompt of problem {problem.id!r} has {len(prompt.token_ids)} tokens, "
+            f"no room left under max_total_tokens={settings.max_total_tokens}"
+        )
+    first = await sampler.sample(prompt.token_ids, n, sampling)
     if len(first) != n:
         raise RuntimeError(f"env {env.name!r}: sampler returned {len(first)} completions, asked for {n}")
     group_id = uuid.uuid4().hex
@@ -150,8 +180,14 @@ async def _one_rollout(
             raise TypeError(
                 f"env {env.name!r}: interact must return a list of messages or None, got {type(new_messages).__name__}"
             )
-        transcript.add_messages(new_messages)
-        [completion] = await sampler.sample(transcript.token_ids, 1, settings.sampling)
+        extended = transcript.copy()
+        extended.add_messages(new_messages)
+        sampling = settings.turn_sampling(len(extended.token_ids))
+        if sampling is None:  # the new messages leave no room: end on the last assistant turn
+            stop_reason = "max_total_tokens"
+            break
+        transcript = extended
+        [completion] = await sampler.sample(transcript.token_ids, 1, sampling)
     messages = transcript.messages
     scores = await score(
         {name: (fn, settings.reward_weights[name]) for name, (fn, _) in env.reward_functions().items()},
@@ -176,7 +212,7 @@ async def _one_rollout(
         turns=transcript.turns(),
         rewards=scores.rewards,
         reward=scores.reward,
-        is_truncated=stop_reason == "length",
+        is_truncated=stop_reason in ("length", "max_total_tokens"),
         metadata=metadata,
     )
 
@@ -235,6 +271,7 @@ async def evaluate(
     reward_weights: Mapping[str, float] | None = None,
     verifier_timeout_s: float | None = None,
     max_turns: int | None = None,
+    max_total_tokens: int | None = None,
 ) -> EvalResult:
     """pass@k and mean rewards over held-out problems (default `env.eval_problems()`), greedy by default."""
     if problems is None:
@@ -261,6 +298,7 @@ async def evaluate(
                 reward_weights=reward_weights,
                 verifier_timeout_s=verifier_timeout_s,
                 max_turns=max_turns,
+                max_total_tokens=max_total_tokens,
                 metrics=metrics,
             )
 

@@ -33,7 +33,7 @@ from marin_rl.envs._optional import import_optional
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics
 from marin_rl.envs._runner import RolloutSettings, gather_all
-from marin_rl.envs._sampling import Sampler, SamplingParams
+from marin_rl.envs._sampling import Sampler
 from marin_rl.types import Rollout
 
 VERIFIERS_VERSION = "0.3.1"
@@ -59,13 +59,18 @@ class VerifiersEnv(Env):
         for task in self.taskset:
             yield Problem(id=task.key, prompt=task.data.prompt_text, extras={"task": task})
 
-    def default_reward_weights(self) -> dict[str, float]:
+    @functools.cached_property
+    def _reward_weights(self) -> dict[str, float]:
+        # Read off the first task (a taskset yields one task type); loading it once is enough.
         task = next(iter(self.taskset), None)
         if task is None:
             return {}
         weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in task.hooks("reward")}
         weights.update({judge.reward_name: float(judge.config.weight) for judge in task.plugged_judges()})
         return weights
+
+    def default_reward_weights(self) -> dict[str, float]:
+        return dict(self._reward_weights)
 
     async def sample_rollouts(
         self, problem: Problem, sampler: Sampler, n: int, settings: RolloutSettings, metrics: EnvMetrics
@@ -77,7 +82,7 @@ class VerifiersEnv(Env):
         task = problem.extras["task"]
         harness = _chat_harness_class()(vf.HarnessConfig(id="marin-rl-chat"))
         validate_pairing(harness, type(task), vf.SubprocessConfig(), tools=task.toolsets(task.config))
-        client = _token_client_class()(self.tokenizer, sampler, settings.sampling)
+        client = _token_client_class()(self.tokenizer, sampler, settings)
 
         class Interception(InterceptionServer):
             def _client(self, config):  # every session samples through our token-exact client
@@ -136,8 +141,10 @@ class VerifiersEnv(Env):
         transcript = client.transcripts.pop(trace.id, None)
         scored = trace.timing.scoring.start > 0  # everything before scoring succeeded
         if transcript is None or transcript.num_assistant_turns == 0 or (trace.errors and not scored):
-            details = "; ".join(f"{e.type}: {e.message}" for e in trace.errors) or "no model call was made"
-            raise RuntimeError(f"verifiers rollout of task {problem.id!r} failed: {details}")
+            details = "; ".join(f"{e.type}: {e.message}" for e in trace.errors) or "no assistant turn"
+            raise RuntimeError(
+                f"verifiers rollout of task {problem.id!r} failed (stop condition {trace.stop_condition!r}): {details}"
+            )
         scoring_error = next((e.message for e in reversed(trace.errors)), None)
         rewards, errors, total = {}, {}, 0.0
         for name, value in trace.rewards.items():
@@ -229,13 +236,14 @@ def _token_client_class():
     """A verifiers model `Client` that samples token-exact through our `Sampler` (built lazily)."""
     from verifiers.v1.clients import Client
     from verifiers.v1.clients.train import serialize_completion
+    from verifiers.v1.errors import OverlongPromptError
     from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage, content_text
 
     class TokenClient(Client):
-        def __init__(self, tokenizer: Any, sampler: Sampler, params: SamplingParams):
+        def __init__(self, tokenizer: Any, sampler: Sampler, settings: RolloutSettings):
             self.tokenizer = tokenizer
             self.sampler = sampler
-            self.params = params
+            self.settings = settings
             self.transcripts: dict[str, Transcript] = {}
             """Per verifiers trace id, the conversation with its exact token ids."""
 
@@ -244,7 +252,10 @@ def _token_client_class():
             messages = [{"role": m.role, "content": content_text(m.content)} for m in prompt]
             transcript = self._extend(session_id or "", messages)
             prompt_ids, spans = transcript.token_ids, transcript.message_spans()
-            [completion] = await self.sampler.sample(prompt_ids, 1, self.params)
+            params = self.settings.turn_sampling(len(prompt_ids))
+            if params is None:  # verifiers ends the rollout as a clean truncation (`context_length`)
+                raise OverlongPromptError(f"{len(prompt_ids)} prompt tokens leave no room under max_total_tokens")
+            [completion] = await self.sampler.sample(prompt_ids, 1, params)
             content = transcript.add_completion(completion)
             response = Response(
                 id=f"marin-{uuid.uuid4().hex}",

@@ -112,6 +112,16 @@ def test_length_cut_marks_the_rollout_truncated(tokenizer):
     assert r.is_truncated and r.turns[-1].inference_metadata.finish_reason == "length"
 
 
+def test_max_total_tokens_caps_verifiers_rollouts(tokenizer, render_ids):
+    env = VerifiersEnv(SumTaskset(vf.TasksetConfig())).bind(tokenizer)
+    prompt_len = len(render_ids([("system", "Digits only."), ("user", "0+0=")], add_generation_prompt=True))
+    [r] = _group(env, ["a long reply"], n=1, max_total_tokens=prompt_len + 3)
+    r.validate()
+    assert r.num_tokens == prompt_len + 3 and r.is_truncated
+    with pytest.raises(RuntimeError, match="context_length"):
+        _group(env, ["0"], n=1, max_total_tokens=prompt_len)
+
+
 @pytest.mark.parametrize(
     ("task_cls", "counter", "message"),
     [(FlakyTask, "reward_errors", "KeyError: 'missing field'"), (SlowTask, "reward_timeouts", "scoring timed out")],
