@@ -136,9 +136,8 @@ class OpenAISampler(Sampler):
             logprobs=1,
             stop=list(params.stop) or None,
             seed=params.seed,
-            # vLLM extensions: sampled ids, ids in logprob tokens, and stop strings kept in the ids
-            # (a tool call's closing tag stays in the assistant turn on every server).
-            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "include_stop_str_in_output": True},
+            # vLLM extensions: the sampled ids, and ids (`token_id:N`) in the logprob tokens.
+            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
         )
         latency_s = time.perf_counter() - start
         return parse_completions(
