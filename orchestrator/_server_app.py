@@ -89,7 +89,7 @@ class _Handler:
             raise bad_request(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=param)
         return ids
 
-    def jobs(self, request, prompts: list[list[int]], max_tokens: int | None) -> list[GenerationJob]:
+    def jobs(self, request, prompts: list[list[int]], max_tokens: int | None, prompt_param: str) -> list[GenerationJob]:
         request.check_supported()
         limit = self.config.max_seq_len
         if request.n > self.config.max_seqs:
@@ -101,8 +101,14 @@ class _Handler:
         seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31))
         jobs = []
         for prompt in prompts:
+            if len(prompt) >= limit:
+                raise bad_request(
+                    f"This model's maximum context length is {limit} tokens and the prompt has {len(prompt)}: "
+                    "no room for a completion token.",
+                    param=prompt_param,
+                )
             budget = max_tokens if max_tokens is not None else limit - len(prompt)
-            if len(prompt) + max(budget, 1) > limit:
+            if len(prompt) + budget > limit:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{len(prompt) + budget} tokens ({len(prompt)} in the prompt, {budget} in the completion). "
@@ -274,7 +280,7 @@ def build_app(
     async def chat_completions(request: ChatCompletionRequest) -> ChatCompletionResponse:
         model = handler.check_model(request.model)
         prompt = handler.check_prompt_ids(_render_chat(tokenizer, request), "messages")
-        (job,) = handler.jobs(request, [prompt], request.requested_max_tokens())
+        (job,) = handler.jobs(request, [prompt], request.requested_max_tokens(), "messages")
         (result,) = await handler.run([job])
         choices = handler.choices(request, job, result)
         with_logprobs = request.logprobs is not False
@@ -309,7 +315,7 @@ def build_app(
     async def completions(request: CompletionRequest) -> CompletionResponse:
         model = handler.check_model(request.model)
         prompts = _completion_prompts(handler, tokenizer, request.prompt)
-        jobs = handler.jobs(request, prompts, request.requested_max_tokens())
+        jobs = handler.jobs(request, prompts, request.requested_max_tokens(), "prompt")
         results = await handler.run(jobs)
         as_ids = request.return_tokens_as_token_ids
         with_logprobs = request.logprobs is not None or "logprobs" not in request.model_fields_set

@@ -275,7 +275,9 @@ class EngineWorker:
             max_num_tokens=np.int32(len(job.prompt_ids) + job.max_tokens),
             stop_tokens=hax.named(jnp.asarray(stops), ("stop_seq", "position")),
             temperature=np.float32(job.temperature),
-            key=jax.random.PRNGKey(job.seed),
+            # A raw threefry key [hi, lo] of the 63-bit seed: jax.random.PRNGKey would keep only the low 32
+            # bits without x64 (seeds 0 and 2**62 would sample alike).
+            key=np.array([job.seed >> 32, job.seed & 0xFFFFFFFF], dtype=np.uint32),
         )
         return Request(
             prompt_tokens=list(job.prompt_ids),

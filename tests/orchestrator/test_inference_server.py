@@ -113,12 +113,13 @@ def test_sampled_logprobs_are_the_models_at_the_sampling_temperature(client, mod
 
 
 def test_seeded_sampling_is_reproducible(client):
-    def sample():
-        r = client.completions.create(model="policy", prompt="hello", max_tokens=10, n=2, temperature=1.0, seed=11)
+    def sample(seed):
+        r = client.completions.create(model="policy", prompt="hello", max_tokens=10, n=2, temperature=1.0, seed=seed)
         return [c.token_ids for c in r.choices]
 
-    first = sample()
-    assert sample() == first and first[0] != first[1]
+    first = sample(11)
+    assert sample(11) == first and first[0] != first[1]
+    assert sample(2**62) != sample(0)  # all 63 bits of the seed count
 
 
 def test_prompt_logprobs_equal_a_forward_pass(client, model_a):

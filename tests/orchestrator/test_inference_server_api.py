@@ -164,6 +164,13 @@ def test_bad_requests_get_400_with_an_openai_error(kwargs, param):
     assert worker.jobs == []
 
 
+def test_a_prompt_filling_the_context_is_refused():
+    client = client_for(ScriptedWorker([ids("a")]))
+    with pytest.raises(openai.BadRequestError, match="no room for a completion token") as e:
+        client.completions.create(model="policy", prompt=list(range(10, 10 + CONFIG.max_seq_len)), max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+
+
 def test_unknown_model_is_404_and_error_body_is_openai_shaped():
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         chat(client_for(ScriptedWorker([ids("a")])), model="gpt-9")
