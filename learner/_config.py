@@ -135,6 +135,13 @@ class LossConfig:
             raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta}")
 
 
+def _warmup(learning_rate: float, warmup_steps: int):
+    # Step t < warmup_steps gets learning_rate * (t + 1) / (warmup_steps + 1): no step is wasted at 0.
+    import optax
+
+    return optax.linear_schedule(learning_rate / (warmup_steps + 1), learning_rate, warmup_steps)
+
+
 @dataclass(frozen=True)
 class LrSchedule(draccus.ChoiceRegistry, abc.ABC):
     """Learning rate after the linear warmup."""
@@ -153,7 +160,7 @@ class ConstantSchedule(LrSchedule):
         import optax
 
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, learning_rate, warmup_steps), optax.constant_schedule(learning_rate)],
+            [_warmup(learning_rate, warmup_steps), optax.constant_schedule(learning_rate)],
             [warmup_steps],
         )
 
@@ -173,7 +180,7 @@ class CosineSchedule(LrSchedule):
 
         return optax.join_schedules(
             [
-                optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                _warmup(learning_rate, warmup_steps),
                 optax.cosine_decay_schedule(learning_rate, self.decay_steps, alpha=self.min_lr_ratio),
             ],
             [warmup_steps],
@@ -197,7 +204,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0
     """Clip gradients to this global L2 norm; None disables clipping."""
     warmup_steps: int = 0
-    """Steps of linear warmup from 0 to `learning_rate`."""
+    """Steps of linear warmup: step t < warmup_steps uses learning_rate * (t + 1) / (warmup_steps + 1)."""
     schedule: LrSchedule = dataclasses.field(default_factory=ConstantSchedule)
     """Schedule after warmup: `constant` or `cosine`."""
 

@@ -56,14 +56,12 @@ class Learner:
         else:
             model = build_model(model_config, len(tokenizer), key=init_key)
         self._dtype = compute_dtype(model_config)
-        self._optimizer, self._schedule = build_optimizer(config.optimizer)
         self.model: LmHeadModel = model
-        self._opt_state = self._optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        optimizer, _ = build_optimizer(config.optimizer)
+        self._opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
-        # The optimizer state (second argument) is donated: only the learner holds it.
-        self._train_step = eqx.filter_jit(self._step_fn, donate="all-except-first")
 
     # --- training -------------------------------------------------------------------------------------
 
@@ -73,8 +71,9 @@ class Learner:
         reference = self._reference if example.reference_logprobs is None else None
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
-        inputs = (self.model, example, reference, step_key, jnp.asarray(self.policy_version, jnp.int32))
-        self.model, self._opt_state, device_metrics = self._train_step(inputs, self._opt_state)
+        step = jnp.asarray(self.policy_version, jnp.int32)
+        inputs = (self.config, self._dtype, self.model, example, reference, step_key, step)
+        self.model, self._opt_state, device_metrics = _train_step(inputs, self._opt_state)
         metrics = {name: float(value) for name, value in jax.device_get(device_metrics).items()}
         elapsed = time.perf_counter() - start
         self.policy_version += 1
@@ -93,18 +92,6 @@ class Learner:
         rows = self.config.microbatch_rows
         if rows is not None and Batch.size % rows != 0:
             raise ValueError(f"LearnerConfig.microbatch_rows = {rows} must divide the batch's {Batch.size} rows")
-
-    def _step_fn(self, inputs, opt_state):
-        """The jitted step: loss and gradients over microbatches, then the optimizer update."""
-        model, example, reference, key, step = inputs
-        loss, grads, metrics = loss_and_gradients(
-            model, example, config=self.config, compute_dtype=self._dtype, reference=reference, key=key
-        )
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads), "learning_rate": self._schedule(step)}
-        return model, opt_state, metrics
 
     # --- checkpoints and exports ----------------------------------------------------------------------
 
@@ -159,6 +146,21 @@ class Learner:
         step = self.policy_version if step is None else step
         dtype = jnp.dtype(self.config.export_dtype)
         return save_hf_model(self.model, self.tokenizer, self.run_dir / HF_DIR / f"step-{step}", dtype=dtype)
+
+
+# Module level, with the configs as static arguments, so learners with equal configs share compilations.
+# The optimizer state (second argument) is donated: only the learner holds it. The model is not.
+@eqx.filter_jit(donate="all-except-first")
+def _train_step(inputs, opt_state):
+    """Loss and gradients over microbatches, then the optimizer update."""
+    config, dtype, model, example, reference, key, step = inputs
+    loss, grads, metrics = loss_and_gradients(model, example, config=config, compute_dtype=dtype, reference=reference, key=key)
+    optimizer, schedule = build_optimizer(config.optimizer)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    model = eqx.apply_updates(model, updates)
+    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(step)}
+    return model, opt_state, metrics
 
 
 def _hash(record: dict) -> str:
