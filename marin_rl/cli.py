@@ -1,37 +1,141 @@
-"""The `marin-rl` command. Parses arguments first; heavy libraries load only in the command that needs them."""
+"""The `marin-rl` command. Parses arguments first; heavy libraries load only in the command that needs them.
+
+    marin-rl train CONFIG [--resume] [--key.sub=value ...]   train (overrides as in Levanter: --learner.optimizer.learning_rate=1e-5)
+    marin-rl serve CONFIG [--key=value ...]                  serve an HF checkpoint, accept token-protected weight pushes
+    marin-rl plot RUN                                        PNG plots of a run's metrics
+    marin-rl rollouts summary|show|export RUN                inspect the rollouts on disk
+    marin-rl envs                                            list the registered env types
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
 from marin_rl import rollouts_cli
+from marin_rl.errors import ConfigError, RunDirError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marin-rl", description="Reinforcement learning of language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True)
+
+    train = subparsers.add_parser(
+        "train",
+        help="train a policy from a YAML config",
+        description="Train from CONFIG. Any further --key=value overrides the config (e.g. --max_steps 5 --run_dir runs/x).",
+    )
+    train.add_argument("config", type=Path, help="YAML run config (see configs/)")
+    train.add_argument("--resume", action="store_true", help="continue RUN_DIR from its latest checkpoint")
+    train.set_defaults(handler=train_command, takes_overrides=True)
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve an HF checkpoint over the OpenAI API (a remote server for the broadcaster)",
+        description="Serve from CONFIG (a ServeConfig YAML); --key=value overrides it.",
+    )
+    serve.add_argument("config", type=Path, nargs="?", help="YAML serve config (or give everything as overrides)")
+    serve.set_defaults(handler=serve_command, takes_overrides=True)
+
+    plot = subparsers.add_parser("plot", help="write PNG plots of reward, loss, KL and throughput per env")
+    plot.add_argument("run", type=Path)
+    plot.add_argument("-o", "--output", type=Path, help="directory for the PNGs (default RUN/plots)")
+    plot.set_defaults(handler=plot_command)
+
+    envs = subparsers.add_parser("envs", help="list the registered env types")
+    envs.set_defaults(handler=envs_command)
+
     rollouts_cli.add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides = rest
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     console = Console()
+    errors = Console(stderr=True, soft_wrap=True)
     try:
         return args.handler(args, console)
-    except FileNotFoundError as e:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(e))}")
+    except (FileNotFoundError, ConfigError, RunDirError) as e:
+        # Config errors, missing runs, refused run dirs: one clear line, no traceback.
+        if args.verbose:
+            raise
+        errors.print(f"[bold red]error:[/] {escape(str(e))}")
         return 1
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: not an error. Keep Python from complaining at exit.
         sys.stdout = None
         return 0
+
+
+def train_command(args, console: Console) -> int:
+    from marin_rl.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    from marin_rl.orchestrator._train import train
+
+    stop = threading.Event()
+
+    def request_stop(signum, _frame):
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the final checkpoint
+        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the step, saving rollouts and a checkpoint (again to abort)")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+    console.print(f"marin-rl train: {args.config} -> {config.run_dir} ({config.max_steps} steps, envs: {', '.join(e.name for e in config.envs)})")
+    result = train(config, resume=args.resume, stop=stop)
+    how = "stopped early" if result.stopped_early else "done"
+    console.print(f"{how} at step {result.final_step}: checkpoint in {result.run_dir}/checkpoints, metrics in {result.run_dir}/metrics.jsonl")
+    console.print(f"next: marin-rl plot {result.run_dir}   |   marin-rl rollouts summary {result.run_dir}")
+    return 0
+
+
+def serve_command(args, console: Console) -> int:
+    import draccus
+
+    from marin_rl.orchestrator._server_config import ServeConfig
+
+    try:
+        config = draccus.parse(ServeConfig, config_path=str(args.config) if args.config else None, args=args.overrides)
+    except Exception as e:  # noqa: BLE001 - draccus raises several types for a bad config
+        raise ConfigError(f"serve config: {e}") from e
+    from marin_rl.orchestrator._server_process import serve_main
+
+    serve_main(config)
+    return 0
+
+
+def plot_command(args, console: Console) -> int:
+    from marin_rl.plot import plot_run
+
+    for path in plot_run(args.run, args.output):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def envs_command(args, console: Console) -> int:
+    from marin_rl.envs import env_types
+
+    for name, cls in sorted(env_types().items()):
+        doc = (cls.__doc__ or "").strip().splitlines()
+        console.print(f"[bold]{name}[/]  {cls.__module__}.{cls.__qualname__}  {doc[0] if doc else ''}", highlight=False)
+    return 0
 
 
 if __name__ == "__main__":

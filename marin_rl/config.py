@@ -1,0 +1,262 @@
+"""The run config: one YAML file (draccus) for everything `marin-rl train` starts.
+
+Each component owns its config dataclass; this module composes them. It imports no JAX, so a bad
+key is reported in a second, before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import re
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import draccus
+import yaml
+
+from marin_rl.broadcaster._broadcaster import BroadcasterConfig
+from marin_rl.envs._sampling import SamplingParams
+from marin_rl.errors import ConfigError
+from marin_rl.learner._config import LearnerConfig, ModelConfig
+from marin_rl.orchestrator._server_config import InferenceServerConfig
+from marin_rl.replay._batcher import BatcherConfig
+from marin_rl.replay._buffer import ReplayBufferConfig
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """One environment of the run: what it is, how much of each batch it gets, how it samples."""
+
+    name: str
+    """Name in rollouts, metrics and `RUN/rollouts/{name}/`; unique within the run."""
+    type: str
+    """A registered env type (`marin-rl envs` lists them) or an import path `package.module:ClassName`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env's constructor."""
+    replicas: int = 1
+    """Concurrent asyncio workers sampling groups for this env."""
+    fraction: float = 1.0
+    """Share of each batch's token budget. Fractions sum to <= 1; the rest goes to envs with data."""
+    group_size: int = 8
+    """Rollouts sampled per problem (the group advantages are computed over)."""
+    sampling: SamplingParams | None = None
+    """Sampling parameters; None keeps the env's defaults (an env's own stop strings are always kept)."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Weights of the env's named rewards in the scalar reward; unnamed rewards keep the env's default."""
+    max_turns: int | None = None
+    """Most assistant turns per rollout; None keeps the env's default."""
+    verifier_timeout_s: float | None = None
+    """A reward function running longer scores 0 and is recorded; None keeps the env's default."""
+    buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
+    """This env's replay buffer: max age, min group size, advantage estimator, filtering."""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
+            raise ValueError(f"envs[].name must be letters, digits, '_', '.', '-' (it names a directory), got {self.name!r}")
+        if self.replicas < 1:
+            raise ValueError(f"envs[{self.name}].replicas must be >= 1, got {self.replicas}")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"envs[{self.name}].fraction must be in [0, 1], got {self.fraction}")
+        if self.group_size < self.buffer.min_group_size:
+            raise ValueError(
+                f"envs[{self.name}].group_size ({self.group_size}) is below buffer.min_group_size "
+                f"({self.buffer.min_group_size}): no group would ever be trained on"
+            )
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging (off unless a project is set)."""
+
+    project: str | None = None
+    """W&B project; None disables W&B."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    name: str | None = None
+    """Run name; None uses the run directory's name."""
+    mode: str = "online"
+    """`online`, `offline` or `disabled`."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`marin-rl train CONFIG`: everything a run needs, written back fully resolved to RUN/config.yaml."""
+
+    run_dir: str = "runs/run"
+    """Where the run writes config.yaml, metrics.jsonl, rollouts/, checkpoints/, hf/."""
+    max_steps: int = 100
+    """Learner steps (policy versions) to train for."""
+    seed: int = 0
+    """Seeds model init, the learner's RNG and the order problems are drawn in."""
+    tokenizer: str = "char"
+    """A local Hugging Face tokenizer directory, or `char` for the shipped character tokenizer."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy: a Levanter Llama/Qwen built from sizes or loaded from a local HF checkpoint."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """Loss, optimizer, microbatching, checkpoints."""
+    envs: list[EnvConfig] = field(default_factory=list)
+    """The environments trained on, each with its share of the batch."""
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    """Token budget per batch and row length."""
+    server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
+    """The embedded inference server, colocated with the learner."""
+    broadcaster: BroadcasterConfig = field(default_factory=BroadcasterConfig)
+    """How often new weights reach the servers, and which remote servers there are."""
+    checkpoint_every: int = 50
+    """Save a learner checkpoint every this many steps (and always on exit)."""
+    export_hf_every: int | None = None
+    """Also export Hugging Face weights to RUN/hf/step-N/ every this many steps; None: only at the end."""
+    max_buffered_batches: float = 2.0
+    """Env workers pause while their buffer holds this many batches' worth of the env's share: on a
+    shared machine, rollouts generated further ahead would only grow stale."""
+    worker_max_backoff_s: float = 30.0
+    """Longest wait between retries of a failing env worker (it starts at 1 s and doubles)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Optional Weights & Biases logging."""
+
+    def __post_init__(self):
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        if not self.envs:
+            raise ValueError("envs: a run needs at least one env")
+        names = [e.name for e in self.envs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"envs[].name must be unique, repeated: {duplicates}")
+        total = sum(e.fraction for e in self.envs)
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"envs[].fraction must sum to <= 1, got {total:.4f} ({dict(zip(names, (e.fraction for e in self.envs)))})")
+        if self.batcher.max_seq_len > self.model.seq_len:
+            raise ValueError(
+                f"batcher.max_seq_len ({self.batcher.max_seq_len}) exceeds model.seq_len ({self.model.seq_len}): "
+                "the learner could not take the rows"
+            )
+        if self.server.max_seq_len > self.model.seq_len and self.model.hf_checkpoint is None:
+            raise ValueError(f"server.max_seq_len ({self.server.max_seq_len}) exceeds model.seq_len ({self.model.seq_len})")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.max_buffered_batches <= 0:
+            raise ValueError(f"max_buffered_batches must be > 0, got {self.max_buffered_batches}")
+
+    @property
+    def fractions(self) -> dict[str, float]:
+        return {e.name: e.fraction for e in self.envs}
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read `path` (YAML) with command-line style overrides (`--learner.optimizer.learning_rate=1e-5`).
+
+    draccus cannot address list items, so `--envs.<name or index>.<key>=<value>` (e.g.
+    `--envs.addition.group_size=16`) is applied to the YAML here before draccus reads it.
+    """
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(Path(path).read_text()) if path else {}
+    plain, env_overrides = _split_env_overrides(list(overrides))
+    if env_overrides:
+        _apply_env_overrides(raw, env_overrides, path)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as resolved:
+        yaml.safe_dump(raw or {}, resolved)
+        resolved.flush()
+        try:
+            return draccus.parse(TrainConfig, config_path=resolved.name, args=plain)
+        except SystemExit as e:  # argparse's way of reporting a bad flag; it already printed usage
+            raise ConfigError(f"bad command-line override in {plain}") from e
+        except Exception as e:  # noqa: BLE001 - draccus raises several types; turn each into one clear message
+            raise ConfigError(_explain(e, path)) from e
+
+
+_ENV_OVERRIDE = re.compile(r"^--envs\.([^.=\s]+)\.([\w.]+)(?:=(.*))?$")
+
+
+def _split_env_overrides(args: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    plain, env_overrides = [], []
+    i = 0
+    while i < len(args):
+        match = _ENV_OVERRIDE.match(args[i])
+        if match is None:
+            plain.append(args[i])
+        else:
+            env, key, value = match.groups()
+            if value is None:  # `--envs.a.key value`
+                if i + 1 >= len(args):
+                    raise ConfigError(f"{args[i]} needs a value")
+                i += 1
+                value = args[i]
+            env_overrides.append((env, key, value))
+        i += 1
+    return plain, env_overrides
+
+
+def _apply_env_overrides(raw: dict, env_overrides: list[tuple[str, str, str]], path) -> None:
+    envs = raw.get("envs") or []
+    names = [e.get("name") for e in envs]
+    for env, key, value in env_overrides:
+        if env.isdigit() and int(env) < len(envs):
+            target = envs[int(env)]
+        elif env in names:
+            target = envs[names.index(env)]
+        else:
+            raise ConfigError(f"--envs.{env}.{key}: no env named {env!r} in {path}; envs: {names}")
+        *parents, leaf = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[leaf] = yaml.safe_load(value)
+
+
+def _explain(error: Exception, path) -> str:
+    """draccus's errors name the key but not what is allowed; add the allowed values."""
+    where = f"{path}: " if path else ""
+    # A config class's own check (__post_init__) says best what is wrong; draccus wraps it.
+    cause = error.__cause__ or error.__context__
+    while cause is not None:
+        if isinstance(cause, (ValueError, TypeError)) and "Couldn't instantiate" not in str(cause):
+            return where + str(cause)
+        cause = cause.__cause__ or cause.__context__
+    message = str(error)
+    choice = re.search(r"^`([^`]*)`: Couldn't find a choice class for '([^']*)' in <class '([\w.]+)'>", message)
+    if choice:
+        key, bad, class_path = choice.groups()
+        module, _, name = class_path.rpartition(".")
+        allowed = sorted(getattr(importlib.import_module(module), name).get_known_choices())
+        return f"{where}{key}.type: {bad!r} is not one of {allowed}"
+    unknown = re.search(r"^`([^`]*)`: The fields (.+) are not valid for (\w+)", message)
+    if unknown:
+        key, fields, class_name = unknown.groups()
+        cls = _config_classes().get(class_name)
+        if cls is not None:
+            valid = [f.name for f in dataclasses.fields(cls)]
+            bad = re.findall(r"\w+", fields)
+            hints = [f"{f!r} -> {m[0]!r}?" for f in bad if (m := difflib.get_close_matches(f, valid, n=1))]
+            return f"{where}{key}: unknown key(s) {bad}; allowed: {valid}" + (f" (did you mean {', '.join(hints)})" if hints else "")
+    return where + message
+
+
+def _config_classes() -> dict[str, type]:
+    """Every dataclass reachable from TrainConfig (choice subclasses included), by class name."""
+    found: dict[str, type] = {}
+
+    def visit(tp) -> None:
+        for arg in typing.get_args(tp):
+            visit(arg)
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)) or tp.__name__ in found:
+            return
+        found[tp.__name__] = tp
+        if hasattr(tp, "get_known_choices"):
+            for sub in tp.get_known_choices().values():
+                visit(sub)
+        for f in dataclasses.fields(tp):
+            visit(typing.get_type_hints(tp).get(f.name, f.type))
+
+    visit(TrainConfig)
+    return found
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The fully resolved config as YAML (what RUN/config.yaml holds)."""
+    return draccus.dump(config)

@@ -1,0 +1,164 @@
+"""Env workers: asyncio tasks that sample groups forever and push them into their env's buffer.
+
+All workers share one event loop on a background thread, so generation goes on while the learner
+trains. A worker that fails (server down, bad response, a bug in an env) logs, counts the error
+and retries with exponential backoff; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping
+
+from marin_rl.envs import Env, OpenAISampler, SamplingParams, cycle_problems, sample_group
+from marin_rl.replay import ReplayBuffer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server the workers sample from."""
+
+    base_url: str
+    model: str
+    server_id: str
+    request_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How one env's workers run (from its EnvConfig)."""
+
+    replicas: int
+    group_size: int
+    sampling: SamplingParams | None
+    reward_weights: Mapping[str, float]
+    max_turns: int | None
+    verifier_timeout_s: float | None
+    max_buffered_tokens: int
+    """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
+
+
+class EnvWorkers:
+    """Runs `replicas` workers per env; replica i of every env samples from endpoint i mod N."""
+
+    def __init__(
+        self,
+        envs: Mapping[str, Env],
+        specs: Mapping[str, WorkerSpec],
+        buffers: Mapping[str, ReplayBuffer],
+        endpoints: list[Endpoint],
+        *,
+        seed: int = 0,
+        max_backoff_s: float = 30.0,
+    ):
+        if not endpoints:
+            raise ValueError("EnvWorkers needs at least one endpoint")
+        self.envs, self.specs, self.buffers, self.endpoints = dict(envs), dict(specs), dict(buffers), endpoints
+        self.seed = seed
+        self.max_backoff_s = max_backoff_s
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+        self._ready = threading.Event()
+
+    # ---- lifecycle ----
+
+    def start(self) -> EnvWorkers:
+        self._thread = threading.Thread(target=self._run_loop, name="marin-rl-env-workers", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every worker (requests in flight are abandoned) and close the envs."""
+        if self._loop is None or self._thread is None:
+            return
+        self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("env workers did not stop within %.0fs", timeout)
+
+    def _run_loop(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        from openai import AsyncOpenAI
+
+        self._stopping = asyncio.Event()
+        clients = [AsyncOpenAI(base_url=e.base_url, api_key="EMPTY", max_retries=0, timeout=e.request_timeout_s) for e in self.endpoints]
+        samplers = [OpenAISampler(c, e.model, server_id=e.server_id) for c, e in zip(clients, self.endpoints)]
+        tasks = []
+        for env_index, (name, env) in enumerate(self.envs.items()):
+            problems = cycle_problems(env, seed=self.seed + env_index)  # one stream per env, shared by its replicas
+            for replica in range(self.specs[name].replicas):
+                sampler = samplers[replica % len(samplers)]
+                tasks.append(asyncio.create_task(self._worker(name, env, problems, sampler), name=f"{name}/{replica}"))
+        self._ready.set()
+        await self._stopping.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for env in self.envs.values():
+            try:
+                await env.aclose()
+            except Exception:  # noqa: BLE001 - closing must not hide the run's outcome
+                logger.exception("closing env %s failed", env.name)
+        for client in clients:
+            await client.close()
+
+    # ---- one worker ----
+
+    async def _worker(self, name: str, env: Env, problems, sampler) -> None:
+        spec, buffer = self.specs[name], self.buffers[name]
+        backoff = 1.0
+        while True:
+            while buffer.size()[1] >= spec.max_buffered_tokens:
+                await asyncio.sleep(0.05)
+            try:
+                rollouts = await sample_group(
+                    env,
+                    next(problems),
+                    sampler,
+                    spec.group_size,
+                    spec.sampling,
+                    reward_weights=spec.reward_weights,
+                    verifier_timeout_s=spec.verifier_timeout_s,
+                    max_turns=spec.max_turns,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a worker must survive anything an env or server does
+                self._count(f"workers/{name}/errors")
+                logger.warning("env %s worker: %s: %s (retrying in %.0fs)", name, type(e).__name__, e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, self.max_backoff_s)
+                continue
+            backoff = 1.0
+            accepted = buffer.add(rollouts)
+            self._count(f"workers/{name}/groups")
+            self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+
+    def _count(self, key: str, by: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += by
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative worker counters plus each env's own (`envs/{name}/...`)."""
+        with self._lock:
+            out = {k: float(v) for k, v in self._counts.items()}
+        for name, env in self.envs.items():
+            out.setdefault(f"workers/{name}/errors", 0.0)
+            out.update(env.metrics.as_dict())
+        return out

@@ -1,0 +1,77 @@
+import pytest
+
+from marin_rl.cli import main
+from marin_rl.config import TrainConfig, dump_config, load_config
+from marin_rl.errors import ConfigError
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_quickstart_config_parses_with_overrides():
+    config = load_config(QUICKSTART, ["--run_dir=/tmp/elsewhere", "--max_steps", "7", "--learner.optimizer.learning_rate=1e-5"])
+    assert isinstance(config, TrainConfig)
+    assert config.run_dir == "/tmp/elsewhere" and config.max_steps == 7
+    assert config.learner.optimizer.learning_rate == 1e-5
+    assert config.envs[0].type == "toy_addition" and config.envs[0].sampling.max_tokens == 2
+    # The resolved dump reads back to the same config.
+    assert load_config(_dump(config)) == config
+
+
+def _dump(config):
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    f.write(dump_config(config))
+    f.close()
+    return f.name
+
+
+def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
+    path = write(tmp_path, "envs: [{name: a, type: toy_addition}]\nlearner: {optimizer: {lr: 1.0e-3}}\n")
+    with pytest.raises(ConfigError, match=r"learner.optimizer: unknown key\(s\) \['lr'\]; allowed: \['learning_rate'"):
+        load_config(path)
+
+
+def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path):
+    path = write(tmp_path, "envs: [{name: a, type: toy_addition, buffer: {advantage: {type: ppo}}}]\n")
+    with pytest.raises(ConfigError, match=r"envs.0.buffer.advantage.type: 'ppo' is not one of \['dr_grpo', 'grpo', 'rloo'\]"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("envs: []\n", "at least one env"),
+        ("envs: [{name: a, type: t, fraction: 0.7}, {name: b, type: t, fraction: 0.7}]\n", "sum to <= 1"),
+        ("envs: [{name: a, type: t}, {name: a, type: t}]\n", "unique"),
+        ("envs: [{name: a, type: t, group_size: 1}]\n", "min_group_size"),
+        ("envs: [{name: a, type: t}]\nbatcher: {max_seq_len: 4096, total_token_budget: 8192}\nmodel: {seq_len: 1024}\n", "model.seq_len"),
+        ("envs: [{name: a, type: t}]\nmodel: {family: gpt}\n", "family"),
+    ],
+)
+def test_inconsistent_configs_are_rejected_with_the_reason(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
+    path = write(tmp_path, "envs: [{name: a, type: toy_addition}]\nmax_stepz: 3\n")
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "max_stepz" in err and "Traceback" not in err
+
+
+def test_env_overrides_address_an_env_by_name_or_index():
+    config = load_config(
+        QUICKSTART, ["--envs.addition.group_size=16", "--envs.0.sampling.max_tokens", "3", "--envs.addition.args.addends=[1, 2]"]
+    )
+    (env,) = config.envs
+    assert env.group_size == 16 and env.sampling.max_tokens == 3 and env.args["addends"] == [1, 2]
+    with pytest.raises(ConfigError, match="no env named 'nope'"):
+        load_config(QUICKSTART, ["--envs.nope.group_size=16"])
