@@ -133,7 +133,9 @@ class _Handler:
         sequences = [[t] for t in ids]
         capacity = self.config.max_stop_sequences
         if len(sequences) > capacity:
-            raise bad_request(f"at most {capacity - 1} stop_token_ids are supported, got {len(ids)}", param="stop_token_ids")
+            raise bad_request(
+                f"{len(ids)} stop tokens (EOS included) exceed the server's max_stop_sequences={capacity}", param="stop_token_ids"
+            )
         for stop in request.stop_strings():
             tokens = self.tokenizer.encode(stop, add_special_tokens=False)
             fits = 0 < len(tokens) <= self.config.max_stop_tokens and len(sequences) < capacity

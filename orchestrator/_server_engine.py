@@ -167,10 +167,6 @@ class EngineWorker:
     def policy_version(self) -> int:
         return self._policy_version
 
-    @property
-    def model(self):
-        return self._model
-
     def submit(self, job: GenerationJob) -> concurrent.futures.Future:
         with self._cv:
             if self._stopped:
@@ -245,25 +241,31 @@ class EngineWorker:
         return batch
 
     def _run_batch(self, batch: list[GenerationJob]) -> None:
-        version = self._policy_version
         try:
-            scores = [self._score(job) if job.prompt_logprobs is not None else None for job in batch]
-            result = self._engine.generate([self._engine_request(i, job) for i, job in enumerate(batch)])
-        except Exception as e:  # the engine donates its state: rebuild it so later requests still work
+            self._generate(batch)
+        except Exception as e:  # every request gets an answer (HTTP 500), and the thread lives on
             logger.exception("inference batch failed; rebuilding the engine")
             for job in batch:
-                job.future.set_exception(e)
-            self._engine = InferenceEngine.from_model_with_config(self._model, self._tokenizer, self._engine_config)
-            return
+                if not job.future.done():
+                    job.future.set_exception(e)
+            try:  # the engine donates its state to its kernels: after a failure it may hold deleted arrays
+                self._engine = InferenceEngine.from_model_with_config(self._model, self._tokenizer, self._engine_config)
+            except Exception:
+                logger.exception("could not rebuild the inference engine")
+
+    def _generate(self, batch: list[GenerationJob]) -> None:
+        version = self._policy_version
+        scores = [self._score(job) if job.prompt_logprobs is not None else None for job in batch]
+        result = self._engine.generate([self._engine_request(i, job) for i, job in enumerate(batch)])
         if len(self._engine.free_slots) != self._config.max_seqs:
+            # Upstream: the engine's outer loop gives up after max_seq_len decode rounds and can leave
+            # slots allocated; start the next batch from a clean state.
             logger.warning("engine kept %d slots busy after a batch; resetting it", self._config.max_seqs - len(self._engine.free_slots))
             self._engine.reset()
         assert result.logprobs is not None  # enable_logprobs is always on
         offset = 0
         for job, score in zip(batch, scores):
-            samples = [
-                Sample(list(result.tokens[offset + k]), list(result.logprobs[offset + k])) for k in range(job.n)
-            ]
+            samples = [Sample(list(result.tokens[offset + k]), list(result.logprobs[offset + k])) for k in range(job.n)]
             offset += job.n
             job.future.set_result(JobResult(samples, score, version))
 

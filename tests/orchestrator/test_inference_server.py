@@ -174,6 +174,16 @@ def test_more_concurrent_requests_than_slots_and_pages_queue_instead_of_failing(
     assert all(len(c.token_ids) == 32 and c.finish_reason == "length" for r in responses for c in r.choices)
 
 
+def test_an_engine_failure_is_a_500_and_the_next_request_is_served(client, server, monkeypatch):
+    def fail(requests):
+        raise RuntimeError("Out of free pages during allocation")
+
+    monkeypatch.setattr(server._worker._engine, "generate", fail)
+    with pytest.raises(openai.InternalServerError, match="Out of free pages"):
+        client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
+    assert len(client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True}).choices[0].token_ids) == 4
+
+
 def test_swap_weights_serves_the_new_model_without_recompiling(client, server, model_a):
     model_b = tiny_llama(1)
     prompt = chat_prompt()
