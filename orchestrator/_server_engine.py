@@ -122,7 +122,9 @@ def _kv_dtype(model, compute_dtype: str | None):
 @eqx.filter_jit
 def _score_prompt(model, tokens: jax.Array, top_k: int):
     """Log-prob, rank and top-k alternatives of tokens[1:] under `model` (tokens padded at the end)."""
-    logits = model(hax.named(tokens, "position"), AttentionMask.causal()).array.astype(jnp.float32)
+    # A batch axis of 1: some attention kernels (the learner's `cudnn` backend) require one.
+    ids = hax.named(tokens[None, :], ("batch", "position"))
+    logits = model(ids, AttentionMask.causal()).rearrange(("batch", "position", model.Vocab)).array[0].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[:-1], axis=-1)
     token_logp = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
     ranks = 1 + jnp.sum(logp > token_logp[:, None], axis=-1)
