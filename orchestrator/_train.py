@@ -58,7 +58,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     from marin_rl.envs import build_env
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
-    from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer
+    from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer, effective_shares
     from marin_rl.tokenizer import load_tokenizer
 
     # --- set up
@@ -80,6 +80,10 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     batcher = Batcher(buffers, config.fractions, config.batcher)
     envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
     budget = config.batcher.num_rows * config.batcher.max_seq_len
+    # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
+    # remainder, so it gets an even share for this purpose).
+    shares = effective_shares(config.fractions, list(config.fractions))
+    buffered_share = {name: max(share, 1 / len(shares)) for name, share in shares.items()}
     specs = {
         e.name: WorkerSpec(
             replicas=e.replicas,
@@ -88,7 +92,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
             reward_weights=e.reward_weights,
             max_turns=e.max_turns,
             verifier_timeout_s=e.verifier_timeout_s,
-            max_buffered_tokens=max(1, int(config.max_buffered_batches * e.fraction * budget)),
+            max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
+            max_total_tokens=config.batcher.max_seq_len,
         )
         for e in config.envs
     }

@@ -42,6 +42,8 @@ class WorkerSpec:
     verifier_timeout_s: float | None
     max_buffered_tokens: int
     """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
+    max_total_tokens: int | None = None
+    """Cap on a rollout's length (the batcher's row length): turns are cut to fit."""
 
 
 class EnvWorkers:
@@ -136,6 +138,7 @@ class EnvWorkers:
                     reward_weights=spec.reward_weights,
                     verifier_timeout_s=spec.verifier_timeout_s,
                     max_turns=spec.max_turns,
+                    max_total_tokens=spec.max_total_tokens,
                 )
             except asyncio.CancelledError:
                 raise
