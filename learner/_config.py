@@ -69,6 +69,11 @@ class ModelConfig:
         _check_choice("ModelConfig", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice("ModelConfig", "attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _check_choice("ModelConfig", "gradient_checkpointing", self.gradient_checkpointing, GRADIENT_CHECKPOINTING)
+        if self.family == "qwen2" and self.head_dim not in (None, self.hidden_dim // self.num_heads):
+            # Levanter's Qwen2 attention always uses hidden_dim // num_heads.
+            raise ValueError(
+                f"ModelConfig.head_dim must be None or {self.hidden_dim // self.num_heads} for qwen2, got {self.head_dim}"
+            )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from marin_rl.learner._config import LearnerConfig, ModelConfig
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
 from marin_rl.learner._step import loss_and_gradients
-from marin_rl.rl_example import BATCH_AXIS, POS_AXIS, RlExample
+from marin_rl.rl_example import POS_AXIS, RlExample
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,11 @@ class Learner:
     - `save_checkpoint()` / `restore_latest()` / `export_hf()` write under `run_dir`.
     """
 
-    def __init__(self, config: LearnerConfig, model_config: ModelConfig, run_dir, tokenizer, *, key):
+    def __init__(
+        self, config: LearnerConfig, model_config: ModelConfig, run_dir, tokenizer, *, key, vocab_size: int | None = None
+    ):
+        """`tokenizer` is saved with HF exports and handed to Levanter's HF loader (None: the checkpoint
+        directory's own). A fresh model gets `vocab_size` rows of embedding, by default `len(tokenizer)`."""
         self.config = config
         self.model_config = model_config
         self.run_dir = Path(run_dir)
@@ -54,7 +58,7 @@ class Learner:
         if model_config.hf_checkpoint is not None:
             model = load_hf_model(model_config.hf_checkpoint, model_config, tokenizer=tokenizer)
         else:
-            model = build_model(model_config, len(tokenizer), key=init_key)
+            model = build_model(model_config, vocab_size or len(tokenizer), key=init_key)
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = model
         optimizer, _ = build_optimizer(config.optimizer)
@@ -84,14 +88,11 @@ class Learner:
         return metrics
 
     def _check_example(self, example: RlExample) -> None:
-        Batch, Pos = example.input_ids.resolve_axis(BATCH_AXIS), example.input_ids.resolve_axis(POS_AXIS)
-        if Pos.size > self.model_config.seq_len:
+        positions = example.input_ids.resolve_axis(POS_AXIS).size
+        if positions > self.model_config.seq_len:
             raise ValueError(
-                f"RlExample rows have {Pos.size} positions, more than ModelConfig.seq_len = {self.model_config.seq_len}"
+                f"RlExample rows have {positions} positions, more than ModelConfig.seq_len = {self.model_config.seq_len}"
             )
-        rows = self.config.microbatch_rows
-        if rows is not None and Batch.size % rows != 0:
-            raise ValueError(f"LearnerConfig.microbatch_rows = {rows} must divide the batch's {Batch.size} rows")
 
     # --- checkpoints and exports ----------------------------------------------------------------------
 
