@@ -23,7 +23,9 @@ import pyarrow.parquet as pq
 
 from marin_rl.types import InferenceMetadata, Rollout, Turn
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: first version. 2: turns gain `teacher_logprobs` (version 1 files still read).
+"""
 SCHEMA_VERSION_KEY = b"marin_rl.rollout_schema_version"
 ROLLOUTS_DIR = "rollouts"
 REJECTS_FILE = "rejects.jsonl"
@@ -43,6 +45,7 @@ TURN_TYPE = pa.struct(
         ("finish_reason", pa.string()),
         ("latency_s", pa.float64()),
         ("sampling_params_json", pa.string()),
+        ("teacher_logprobs", pa.list_(pa.float32())),  # null unless a teacher scored the turn
     ]
 )
 ROLLOUT_SCHEMA = pa.schema(
@@ -91,6 +94,7 @@ def _turn_row(turn: Turn) -> dict[str, Any]:
         "finish_reason": meta.finish_reason if meta else None,
         "latency_s": meta.latency_s if meta else None,
         "sampling_params_json": json.dumps(meta.sampling_params, sort_keys=True) if meta else None,
+        "teacher_logprobs": turn.teacher_logprobs,
     }
 
 
@@ -135,6 +139,7 @@ def _turn_from_row(row: dict[str, Any]) -> Turn:
         logprobs=None if row["logprobs"] is None else np.asarray(row["logprobs"], dtype=np.float32),
         inference_metadata=meta,
         timestamp=row["timestamp"],
+        teacher_logprobs=None if row.get("teacher_logprobs") is None else np.asarray(row["teacher_logprobs"], np.float32),
     )
 
 

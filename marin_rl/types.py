@@ -57,12 +57,17 @@ class Turn:
     inference_metadata: InferenceMetadata | None = None
     """Assistant turns only."""
     timestamp: float | None = None
+    teacher_logprobs: np.ndarray | None = None
+    """float32, same length as `token_ids`: a frozen teacher's logprob of each sampled id (assistant turns
+    of on-policy distillation envs; None elsewhere)."""
 
     def __post_init__(self):
         # Normalise list inputs so equality, packing and storage see one dtype.
         object.__setattr__(self, "token_ids", np.asarray(self.token_ids, dtype=np.int32))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", np.asarray(self.logprobs, dtype=np.float32))
+        for name in ("logprobs", "teacher_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, np.asarray(value, dtype=np.float32))
 
     @property
     def is_sampled(self) -> bool:
@@ -78,6 +83,7 @@ class Turn:
             and _optional_arrays_equal(self.logprobs, other.logprobs)
             and self.inference_metadata == other.inference_metadata
             and self.timestamp == other.timestamp
+            and _optional_arrays_equal(self.teacher_logprobs, other.teacher_logprobs)
         )
 
     __hash__ = None  # mutable arrays inside
@@ -139,6 +145,16 @@ class Rollout:
         ]
         return np.concatenate(parts).astype(np.float32, copy=False)
 
+    def teacher_logprobs(self) -> np.ndarray | None:
+        """The teacher's logprob of each sampled token, 0 elsewhere; None if no turn carries them."""
+        if all(t.teacher_logprobs is None for t in self.turns):
+            return None
+        parts = [
+            t.teacher_logprobs if t.is_sampled and t.teacher_logprobs is not None else np.zeros(len(t.token_ids), np.float32)
+            for t in self.turns
+        ]
+        return np.concatenate(parts).astype(np.float32, copy=False)
+
     def validate(self) -> Rollout:
         """Raise `RolloutValidationError` naming the field if the record breaks the contract."""
         uid = self.rollout_uid
@@ -175,16 +191,18 @@ class Rollout:
                 raise RolloutValidationError(uid, f"{where}.token_ids", "assistant turn is empty")
             if turn.logprobs is None:
                 raise RolloutValidationError(uid, f"{where}.logprobs", "assistant turn needs sampled logprobs")
-            if len(turn.logprobs) != len(turn.token_ids):
-                raise RolloutValidationError(
-                    uid,
-                    f"{where}.logprobs",
-                    f"must have length {len(turn.token_ids)} like token_ids, got {len(turn.logprobs)}",
-                )
-            if not np.isfinite(turn.logprobs).all():
-                raise RolloutValidationError(uid, f"{where}.logprobs", "contains NaN or inf")
-            if (turn.logprobs > 1e-4).any():
-                raise RolloutValidationError(uid, f"{where}.logprobs", "log-probabilities must be <= 0")
+            for name in ("logprobs", "teacher_logprobs"):
+                values = getattr(turn, name)
+                if values is None:
+                    continue
+                if len(values) != len(turn.token_ids):
+                    raise RolloutValidationError(
+                        uid, f"{where}.{name}", f"must have length {len(turn.token_ids)} like token_ids, got {len(values)}"
+                    )
+                if not np.isfinite(values).all():
+                    raise RolloutValidationError(uid, f"{where}.{name}", "contains NaN or inf")
+                if (values > 1e-4).any():
+                    raise RolloutValidationError(uid, f"{where}.{name}", "log-probabilities must be <= 0")
             meta = turn.inference_metadata
             if meta is None:
                 raise RolloutValidationError(uid, f"{where}.inference_metadata", "assistant turn needs it")

@@ -102,3 +102,35 @@ def test_missing_run_and_missing_env_are_clear_errors(tmp_path):
     (tmp_path / "rollouts" / "a").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="env 'b'"):
         read_rollouts(tmp_path, env="b")
+
+
+def test_version_1_segments_without_teacher_logprobs_still_read(tmp_path):
+    import pyarrow as pa
+
+    from marin_rl.storage import TURN_TYPE, rollouts_to_table, write_segment_atomic
+
+    rollouts = make_group([1.0, 0.0], env="old")
+    table = rollouts_to_table(rollouts)
+    v1_turn = pa.struct([f for f in TURN_TYPE if f.name != "teacher_logprobs"])
+    turns = table.column("turns").cast(pa.list_(v1_turn))
+    v1 = table.set_column(table.schema.get_field_index("turns"), "turns", turns)
+    v1 = v1.replace_schema_metadata({SCHEMA_VERSION_KEY: b"1"})
+    directory = tmp_path / "rollouts" / "old"
+    directory.mkdir(parents=True)
+    write_segment_atomic(directory / "segment-00000000.parquet", v1)
+    assert read_rollouts(tmp_path) == rollouts
+
+
+def test_teacher_logprobs_round_trip(tmp_path):
+    import dataclasses
+
+    rollout = make_rollout(env="opd")
+    assistant = rollout.turns[1]
+    scored = dataclasses.replace(
+        rollout, turns=(rollout.turns[0], dataclasses.replace(assistant, teacher_logprobs=assistant.logprobs - 0.5))
+    )
+    writer = RolloutWriter(tmp_path / "rollouts" / "opd")
+    writer.append([scored])
+    writer.close()
+    (back,) = read_rollouts(tmp_path)
+    assert back == scored and back.turns[1].teacher_logprobs is not None
