@@ -24,6 +24,7 @@ from marin_rl.envs._sampling import SamplingParams
 from marin_rl.errors import ConfigError
 from marin_rl.learner._config import LearnerConfig, ModelConfig
 from marin_rl.orchestrator._server_config import InferenceServerConfig
+from marin_rl.replay._algorithms import AlgorithmConfig, RlooConfig
 from marin_rl.replay._batcher import BatcherConfig
 from marin_rl.replay._buffer import ReplayBufferConfig
 
@@ -52,8 +53,11 @@ class EnvConfig:
     """Most assistant turns per rollout; None keeps the env's default."""
     verifier_timeout_s: float | None = None
     """A reward function running longer scores 0 and is recorded; None keeps the env's default."""
+    algorithm: AlgorithmConfig = field(default_factory=RlooConfig)
+    """How this env's rollouts become training signal: `type: rloo | grpo | dr_grpo | sft | opd`
+    (docs/algorithms.md)."""
     buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
-    """This env's replay buffer: max age, min group size, advantage estimator, filtering."""
+    """This env's replay buffer: max age (staleness cap), min group size, zero-variance filtering."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
@@ -67,6 +71,12 @@ class EnvConfig:
                 f"envs[{self.name}].group_size ({self.group_size}) is below buffer.min_group_size "
                 f"({self.buffer.min_group_size}): no group would ever be trained on"
             )
+        self.check_algorithm(self.sampling.temperature if self.sampling is not None else 1.0)
+
+    def check_algorithm(self, temperature: float) -> None:
+        """Reject algorithm settings that cannot work (the env's own default temperature is checked
+        again once the env is built)."""
+        self.algorithm.check(self.name, self.group_size, temperature, self.buffer.drop_zero_variance_groups)
 
 
 @dataclass(frozen=True)

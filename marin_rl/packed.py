@@ -28,7 +28,7 @@ class PackedArrays:
     position_ids: np.ndarray  # int32; restarts at 0 for every rollout, so packing does not move RoPE positions
     segment_ids: np.ndarray  # int32; unique per rollout within a row, PADDING_SEGMENT_ID on padding
     loss_mask: np.ndarray  # bool; True on tokens the policy sampled (the tokens a loss may apply to)
-    advantages: np.ndarray  # float32; the rollout's advantage on its loss tokens, 0 elsewhere
+    advantages: np.ndarray  # float32; per-token advantage from the env's algorithm, 0 on unsampled tokens
     policy_logprobs: np.ndarray  # float32; behaviour-policy logprob of each sampled token, 0 elsewhere
     rl_weights: np.ndarray  # float32; weight of the policy-gradient term per token
     ce_weights: np.ndarray  # float32; weight of the cross-entropy (SFT) term per token

@@ -73,19 +73,27 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         broadcaster.maybe_broadcast(learner.model, learner.policy_version)  # remote servers start from the checkpoint
     buffers = {
         env.name: ReplayBuffer(
-            env.name, env.buffer, run_dir=run_dir, max_seq_len=config.batcher.max_seq_len, overlong=config.batcher.overlong
+            env.name,
+            env.buffer,
+            algorithm=env.algorithm,
+            run_dir=run_dir,
+            max_seq_len=config.batcher.max_seq_len,
+            overlong=config.batcher.overlong,
         )
         for env in config.envs
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
     envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
+    for e in config.envs:  # now the env's own default sampling is known
+        e.check_algorithm(envs[e.name].sampling.merged(e.sampling).temperature)
     budget = config.batcher.num_rows * config.batcher.max_seq_len
     # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
     # remainder, so it gets an even share for this purpose).
     shares = effective_shares(config.fractions, list(config.fractions))
     buffered_share = {name: max(share, 1 / len(shares)) for name, share in shares.items()}
     specs = {
-        e.name: WorkerSpec(
+        e.name: WorkerSpec.for_algorithm(
+            e.algorithm,
             replicas=e.replicas,
             group_size=e.group_size,
             sampling=e.sampling,

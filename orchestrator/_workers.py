@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from marin_rl.envs import Env, OpenAISampler, SamplingParams, cycle_problems, sample_group
-from marin_rl.replay import ReplayBuffer
+from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
+from marin_rl.replay import AlgorithmConfig, ReplayBuffer, TeacherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,23 @@ class WorkerSpec:
     """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
     max_total_tokens: int | None = None
     """Cap on a rollout's length (the batcher's row length): turns are cut to fit."""
+    source: str = "policy"
+    """Who writes the completions: `policy` (the servers), `teacher` (a frozen teacher server) or
+    `dataset` (the problems' demonstrations)."""
+    teacher: TeacherConfig | None = None
+    """The frozen teacher server, for `source: teacher` or `score_with_teacher`."""
+    score_with_teacher: bool = False
+    """Ask the teacher for the logprob of every sampled token (on-policy distillation)."""
+
+    @staticmethod
+    def for_algorithm(algorithm: AlgorithmConfig, **fields) -> WorkerSpec:
+        """Source and scoring follow from the env's algorithm."""
+        return WorkerSpec(
+            source=algorithm.completion_source,
+            teacher=algorithm.teacher,
+            score_with_teacher=algorithm.needs_teacher_logprobs,
+            **fields,
+        )
 
 
 class EnvWorkers:
@@ -103,10 +121,19 @@ class EnvWorkers:
         samplers = [OpenAISampler(c, e.model, server_id=e.server_id) for c, e in zip(clients, self.endpoints)]
         tasks = []
         for env_index, (name, env) in enumerate(self.envs.items()):
+            spec = self.specs[name]
             problems = cycle_problems(env, seed=self.seed + env_index)  # one stream per env, shared by its replicas
-            for replica in range(self.specs[name].replicas):
-                sampler = samplers[replica % len(samplers)]
-                tasks.append(asyncio.create_task(self._worker(name, env, problems, sampler), name=f"{name}/{replica}"))
+            teacher_sampler = scorer = None
+            if spec.teacher is not None:
+                teacher_client = AsyncOpenAI(base_url=spec.teacher.base_url, api_key=spec.teacher.api_key, max_retries=0)
+                clients.append(teacher_client)
+                # A frozen teacher reports no useful version: its rollouts never age (algorithm.frozen_source).
+                teacher_sampler = OpenAISampler(teacher_client, spec.teacher.model, server_id="teacher", policy_version=0)
+                scorer = TeacherScorer(teacher_client, spec.teacher.model) if spec.score_with_teacher else None
+            for replica in range(spec.replicas):
+                policy_sampler = samplers[replica % len(samplers)]
+                sampler = teacher_sampler if spec.source == "teacher" else policy_sampler
+                tasks.append(asyncio.create_task(self._worker(name, env, problems, sampler, scorer), name=f"{name}/{replica}"))
         self._ready.set()
         await self._stopping.wait()
         for task in tasks:
@@ -122,17 +149,18 @@ class EnvWorkers:
 
     # ---- one worker ----
 
-    async def _worker(self, name: str, env: Env, problems, sampler) -> None:
+    async def _worker(self, name: str, env: Env, problems, sampler, scorer: TeacherScorer | None) -> None:
         spec, buffer = self.specs[name], self.buffers[name]
         backoff = 1.0
         while True:
             while buffer.size()[1] >= spec.max_buffered_tokens:
                 await asyncio.sleep(0.05)
             try:
+                problem = next(problems)
                 rollouts = await sample_group(
                     env,
-                    next(problems),
-                    sampler,
+                    problem,
+                    DemonstrationSampler(problem, env.tokenizer) if spec.source == "dataset" else sampler,
                     spec.group_size,
                     spec.sampling,
                     reward_weights=spec.reward_weights,
@@ -140,6 +168,8 @@ class EnvWorkers:
                     max_turns=spec.max_turns,
                     max_total_tokens=spec.max_total_tokens,
                 )
+                if scorer is not None:
+                    rollouts = await scorer.score(rollouts)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a worker must survive anything an env or server does

@@ -1,22 +1,23 @@
-"""Replay buffers (one per env), advantage estimators, and the token-budget batcher."""
+"""Replay buffers (one per env), per-env algorithms (credit assignment), and the token-budget batcher."""
 
-from marin_rl.replay._advantages import (
-    AdvantageConfig,
-    AdvantageFunction,
+from marin_rl.replay._advantages import dr_grpo_advantages, grpo_advantages, rloo_advantages
+from marin_rl.replay._algorithms import (
+    AlgorithmConfig,
     DrGrpoConfig,
+    GroupAdvantageConfig,
     GrpoConfig,
+    OpdConfig,
     RlooConfig,
-    dr_grpo_advantages,
-    grpo_advantages,
-    rloo_advantages,
+    SftConfig,
+    TeacherConfig,
+    TokenSignal,
 )
 from marin_rl.replay._batcher import Batch, BatchCancelled, Batcher, BatcherConfig, build_packed_arrays
 from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ReplayBufferConfig, ScoredGroup, truncate_rollout
 from marin_rl.replay._packing import BatchPlan, GroupSpec, RowPacker, effective_shares, plan_batch
 
 __all__ = [
-    "AdvantageConfig",
-    "AdvantageFunction",
+    "AlgorithmConfig",
     "Batch",
     "BatchCancelled",
     "BatchPlan",
@@ -24,13 +25,18 @@ __all__ = [
     "BatcherConfig",
     "DrGrpoConfig",
     "FlatRollout",
+    "GroupAdvantageConfig",
     "GroupSpec",
     "GrpoConfig",
+    "OpdConfig",
     "ReplayBuffer",
     "ReplayBufferConfig",
     "RlooConfig",
     "RowPacker",
     "ScoredGroup",
+    "SftConfig",
+    "TeacherConfig",
+    "TokenSignal",
     "build_packed_arrays",
     "dr_grpo_advantages",
     "effective_shares",

@@ -17,6 +17,7 @@ from typing import Literal, Mapping
 import numpy as np
 
 from marin_rl.packed import PADDING_SEGMENT_ID, PackedArrays
+from marin_rl.replay._algorithms import TokenSignal
 from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ScoredGroup
 from marin_rl.replay._packing import BatchPlan, effective_shares, plan_batch
 
@@ -189,12 +190,13 @@ def build_packed_arrays(
     loss_mask = np.zeros(shape, bool)
     advantages = np.zeros(shape, np.float32)
     policy_logprobs = np.zeros(shape, np.float32)
-    rows: list[list[tuple[int, FlatRollout, float]]] = [[] for _ in range(num_rows)]
+    rl_weights = np.zeros(shape, np.float32)
+    ce_weights = np.zeros(shape, np.float32)
+    kl_weights = np.zeros(shape, np.float32)
+    rows: list[list[tuple[int, FlatRollout, TokenSignal]]] = [[] for _ in range(num_rows)]
     for group in groups:
-        for member, advantage, (row, offset) in zip(
-            group.members, group.advantages, plan.placements[group.env][group.group_id]
-        ):
-            rows[row].append((offset, member, float(advantage)))
+        for member, signal, (row, offset) in zip(group.members, group.signals, plan.placements[group.env][group.group_id]):
+            rows[row].append((offset, member, signal))
     positions = np.arange(max_seq_len, dtype=np.int32)
     for row, members in enumerate(rows):
         if not members:
@@ -203,15 +205,15 @@ def build_packed_arrays(
         lengths = [m.num_tokens for _, m, _ in members]
         end = sum(lengths)
         assert members[0][0] == 0 and end <= max_seq_len, "planned spans must tile the row from 0"
-        mask = np.concatenate([m.sampled_mask for _, m, _ in members])
         input_ids[row, :end] = np.concatenate([m.token_ids for _, m, _ in members])
         position_ids[row, :end] = np.concatenate([positions[:n] for n in lengths])
         segment_ids[row, :end] = np.repeat(np.arange(len(members), dtype=np.int32), lengths)
-        loss_mask[row, :end] = mask
-        advantages[row, :end] = np.repeat(np.array([a for _, _, a in members], np.float32), lengths) * mask
+        loss_mask[row, :end] = np.concatenate([m.sampled_mask for _, m, _ in members])
         policy_logprobs[row, :end] = np.concatenate([m.behaviour_logprobs for _, m, _ in members])
-    # Default routing: every sampled token gets the RL and KL terms, none the CE term.
-    sampled = loss_mask.astype(np.float32)
+        advantages[row, :end] = np.concatenate([s.advantages for _, _, s in members])
+        rl_weights[row, :end] = np.concatenate([s.rl_weights for _, _, s in members])
+        ce_weights[row, :end] = np.concatenate([s.ce_weights for _, _, s in members])
+        kl_weights[row, :end] = np.concatenate([s.kl_weights for _, _, s in members])
     return PackedArrays(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -219,7 +221,7 @@ def build_packed_arrays(
         loss_mask=loss_mask,
         advantages=advantages,
         policy_logprobs=policy_logprobs,
-        rl_weights=sampled,
-        ce_weights=np.zeros(shape, np.float32),
-        kl_weights=sampled,
+        rl_weights=rl_weights,
+        ce_weights=ce_weights,
+        kl_weights=kl_weights,
     )

@@ -14,7 +14,7 @@ import numpy as np
 
 from marin_rl.storage import RolloutWriter, append_reject, env_rollout_dir
 from marin_rl.types import Rollout, RolloutValidationError, Turn
-from marin_rl.replay._advantages import AdvantageConfig, RlooConfig
+from marin_rl.replay._algorithms import AlgorithmConfig, RlooConfig, TokenSignal
 from marin_rl.replay._packing import GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -25,13 +25,13 @@ OverlongPolicy = Literal["reject", "truncate"]
 @dataclass(frozen=True)
 class ReplayBufferConfig:
     max_age: int = 1
-    """Drop rollouts whose policy version is below `current - max_age` (1: up to one step stale)."""
+    """Drop rollouts whose policy version is below `current - max_age` (1: up to one step stale): the
+    per-env cap on staleness. Rollouts of a frozen source (sft) never age."""
     min_group_size: int = 2
     """A group with fewer surviving rollouts is not trained on (it may still grow)."""
-    advantage: AdvantageConfig = field(default_factory=RlooConfig)
-    """Advantage estimator: `type: rloo | grpo | dr_grpo`, plus `positive_only`."""
     drop_zero_variance_groups: bool = False
-    """Drop groups whose rewards are all equal (zero advantage: no learning signal)."""
+    """Dynamic filtering: drop groups whose rewards are all equal (zero advantage, no learning signal),
+    counted in `replays/{env}/frac_filtered`."""
     flush_every_rollouts: int = 512
     """Write a Parquet segment once this many rollouts are pending."""
     flush_every_s: float = 30.0
@@ -52,12 +52,18 @@ class FlatRollout:
     token_ids: np.ndarray  # int32, every turn's ids in order
     sampled_mask: np.ndarray  # bool, True on assistant (sampled) tokens
     behaviour_logprobs: np.ndarray  # float32, sampling logprobs on sampled tokens, 0 elsewhere
+    teacher_logprobs: np.ndarray | None  # float32, a teacher's logprobs on sampled tokens (opd), else None
     policy_version: int
 
     @staticmethod
     def of(rollout: Rollout) -> FlatRollout:
         return FlatRollout(
-            rollout, rollout.token_ids(), rollout.sampled_mask(), rollout.behaviour_logprobs(), rollout.policy_version
+            rollout,
+            rollout.token_ids(),
+            rollout.sampled_mask(),
+            rollout.behaviour_logprobs(),
+            rollout.teacher_logprobs(),
+            rollout.policy_version,
         )
 
     @property
@@ -67,12 +73,12 @@ class FlatRollout:
 
 @dataclass(frozen=True)
 class ScoredGroup:
-    """A group taken for training, with one advantage per rollout."""
+    """A group taken for training, with its algorithm's per-token signal for each member."""
 
     env: str
     group_id: str
     members: tuple[FlatRollout, ...]
-    advantages: np.ndarray
+    signals: tuple[TokenSignal, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +95,8 @@ class _Counters:
     truncated: int = 0
     rewards: list[float] = field(default_factory=list)
     named_rewards: dict[str, list[float]] = field(default_factory=dict)
+    teacher_kl: list[float] = field(default_factory=list)  # per rollout: sum over sampled tokens
+    teacher_kl_tokens: int = 0
 
 
 class ReplayBuffer:
@@ -104,15 +112,16 @@ class ReplayBuffer:
         env: str,
         config: ReplayBufferConfig = ReplayBufferConfig(),
         *,
+        algorithm: AlgorithmConfig = RlooConfig(),
         run_dir: str | Path | None = None,
         max_seq_len: int | None = None,
         overlong: OverlongPolicy = "reject",
     ):
         self.env = env
         self.config = config
+        self.algorithm = algorithm
         self.max_seq_len = max_seq_len
         self.overlong = overlong
-        self._advantage_fn = config.advantage.build()
         self._dir = env_rollout_dir(run_dir, env) if run_dir is not None else None
         self._writer = (
             RolloutWriter(self._dir, config.flush_every_rollouts, config.flush_every_s) if self._dir else None
@@ -124,6 +133,7 @@ class ReplayBuffer:
         self._oldest_version = 2**62  # lower bound on the versions held; lets ageing skip its scan
         self._new = _Counters()
         self._totals = dict(rejected=0, dropped_stale=0, filtered_groups=0, overlong_truncated=0, overlong_rejected=0)
+        self._groups_seen = 0
         self._frac_used_in_batch: float | None = None
 
     # ---- producers ----
@@ -147,6 +157,8 @@ class ReplayBuffer:
             self._totals["rejected"] += len(rejects)
             for rollout in accepted:
                 entry = flat[rollout.rollout_uid]
+                if rollout.group_id not in self._groups:
+                    self._groups_seen += 1
                 self._groups.setdefault(rollout.group_id, []).append(entry)
                 self._oldest_version = min(self._oldest_version, entry.policy_version)
                 self._count_new(entry)
@@ -167,6 +179,14 @@ class ReplayBuffer:
             raise RolloutValidationError(
                 rollout.rollout_uid, "environment", f"this buffer holds {self.env!r}, got {rollout.environment!r}"
             )
+        if self.algorithm.needs_teacher_logprobs:
+            for i, turn in enumerate(rollout.turns):
+                if turn.is_sampled and turn.teacher_logprobs is None:
+                    raise RolloutValidationError(
+                        rollout.rollout_uid,
+                        f"turns[{i}].teacher_logprobs",
+                        f"algorithm {self.algorithm.name!r} needs the teacher's logprob of every sampled token",
+                    )
         if self.max_seq_len is not None and rollout.num_tokens > self.max_seq_len:
             if self.overlong == "reject":
                 with self._lock:
@@ -187,6 +207,10 @@ class ReplayBuffer:
         new.tokens += entry.num_tokens
         new.generated_tokens += rollout.num_generated_tokens
         new.truncated += int(rollout.is_truncated)
+        if entry.teacher_logprobs is not None:
+            sampled = entry.sampled_mask
+            new.teacher_kl.append(float(np.sum(entry.behaviour_logprobs[sampled] - entry.teacher_logprobs[sampled])))
+            new.teacher_kl_tokens += int(sampled.sum())
         new.rewards.append(float(rollout.reward))
         for name, value in rollout.rewards.items():
             new.named_rewards.setdefault(name, []).append(float(value))
@@ -199,7 +223,7 @@ class ReplayBuffer:
             self._policy_version = version
             oldest_allowed = version - self.config.max_age
             dropped = 0
-            if self._oldest_version >= oldest_allowed:
+            if self.algorithm.frozen_source or self._oldest_version >= oldest_allowed:
                 return 0  # nothing can be stale: skip the scan
             self._oldest_version = version
             for group_id in list(self._groups):
@@ -246,8 +270,7 @@ class ReplayBuffer:
                 members, rest = entries[:size], entries[size:]
                 if rest:
                     self._groups[group_id] = rest
-                rewards = np.array([m.rollout.reward for m in members], dtype=np.float64)
-                taken.append(ScoredGroup(self.env, group_id, tuple(members), self._advantage_fn(rewards)))
+                taken.append(ScoredGroup(self.env, group_id, tuple(members), tuple(self.algorithm.score_group(members))))
             used = sum(len(g.members) for g in taken)
             self._frac_used_in_batch = used / available if available else 0.0
         return taken
@@ -272,6 +295,7 @@ class ReplayBuffer:
             entries = [e for group in self._groups.values() for e in group]
             new, self._new = self._new, _Counters()
             totals = dict(self._totals)
+            groups_seen = self._groups_seen
             frac_used = self._frac_used_in_batch
             version = self._policy_version
         out: dict[str, float] = {
@@ -289,8 +313,11 @@ class ReplayBuffer:
             for name, values in new.named_rewards.items():
                 out[f"rewards/{name}/mean"] = float(np.mean(values))
                 out[f"rewards/{name}/std"] = float(np.std(values))
+        if new.teacher_kl_tokens:
+            out["teacher_kl"] = sum(new.teacher_kl) / new.teacher_kl_tokens
         if frac_used is not None:
             out["frac_used_in_batch"] = frac_used
+        out["frac_filtered"] = totals["filtered_groups"] / groups_seen if groups_seen else 0.0
         out.update(totals)
         return {prefix + k: float(v) for k, v in out.items()}
 

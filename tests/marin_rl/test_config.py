@@ -39,8 +39,8 @@ def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
 
 
 def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path):
-    path = write(tmp_path, "envs: [{name: a, type: toy_addition, buffer: {advantage: {type: ppo}}}]\n")
-    with pytest.raises(ConfigError, match=r"envs.0.buffer.advantage.type: 'ppo' is not one of \['dr_grpo', 'grpo', 'rloo'\]"):
+    path = write(tmp_path, "envs: [{name: a, type: toy_addition, algorithm: {type: ppo}}]\n")
+    with pytest.raises(ConfigError, match=r"envs.0.algorithm.type: 'ppo' is not one of \['dr_grpo', 'grpo', 'opd', 'rloo', 'sft'\]"):
         load_config(path)
 
 
@@ -53,6 +53,9 @@ def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path):
         ("envs: [{name: a, type: t, group_size: 1}]\n", "min_group_size"),
         ("envs: [{name: a, type: t}]\nbatcher: {max_seq_len: 4096, total_token_budget: 8192}\nmodel: {seq_len: 1024}\n", "model.seq_len"),
         ("envs: [{name: a, type: t}]\nmodel: {family: gpt}\n", "family"),
+        ("envs: [{name: a, type: t, group_size: 1, buffer: {min_group_size: 1}}]\n", "group_size must be >= 2"),
+        ("envs: [{name: a, type: t, algorithm: {type: opd}}]\n", "needs teacher_server"),
+        ("envs: [{name: a, type: t, sampling: {temperature: 0.7}}]\n", "temperature"),
     ],
 )
 def test_inconsistent_configs_are_rejected_with_the_reason(tmp_path, text, message):

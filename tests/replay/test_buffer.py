@@ -45,13 +45,14 @@ def test_min_group_size_holds_back_small_groups():
     assert group_ids(buffer) == ["big"]
 
 
-def test_candidates_are_newest_first_and_take_scores_with_the_configured_estimator():
-    buffer = ReplayBuffer("env", ReplayBufferConfig(advantage=GrpoConfig(eps=0.0)))
+def test_candidates_are_newest_first_and_take_scores_with_the_configured_algorithm():
+    buffer = ReplayBuffer("env", algorithm=GrpoConfig(eps=0.0))
     buffer.add(make_group([1.0, 0.0], group_id="first"))
     buffer.add(make_group([2.0, 4.0, 0.0], group_id="second"))
     assert group_ids(buffer) == ["second", "first"]
     (taken,) = buffer.take({"second": 3})
-    np.testing.assert_allclose(taken.advantages, [0.0, 1.0, -1.0])
+    for member, signal, expected in zip(taken.members, taken.signals, [0.0, 1.0, -1.0]):
+        np.testing.assert_allclose(signal.advantages, expected * member.sampled_mask, atol=1e-6)
     assert group_ids(buffer) == ["first"]
     assert buffer.metrics()["replays/env/frac_used_in_batch"] == pytest.approx(3 / 5)
 
@@ -62,7 +63,9 @@ def test_zero_variance_groups_are_dropped_when_configured():
     buffer.add(make_group([1.0, 0.0], group_id="useful"))
     assert group_ids(buffer) == ["useful"]
     assert buffer.size()[0] == 2
-    assert buffer.metrics()["replays/env/filtered_groups"] == 1
+    metrics = buffer.metrics()
+    assert metrics["replays/env/filtered_groups"] == 1
+    assert metrics["replays/env/frac_filtered"] == 0.5
 
 
 @pytest.mark.parametrize(
