@@ -1,4 +1,10 @@
-"""The learner: Levanter/Equinox policy training on packed RlExamples (design section 5, docs/learner.md)."""
+"""The learner: Levanter/Equinox policy training on packed RlExamples (design section 5, docs/learner.md).
+
+Configs import eagerly (only draccus); the rest loads on first use, so parsing a config does not import
+Levanter (10-20 s).
+"""
+
+import importlib
 
 import marin_rl._compat  # noqa: F401  (before any haliax call)
 from marin_rl.learner._config import (
@@ -14,39 +20,43 @@ from marin_rl.learner._config import (
     TokenMean,
     TokenSum,
 )
-from marin_rl.learner._learner import Learner
-from marin_rl.learner._logprobs import per_token_logprobs, sequence_logprobs, token_logprobs_and_entropy
-from marin_rl.learner._loss import LossInputs, aggregation_weights, kl_estimate, policy_loss, scored_tokens
-from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
-from marin_rl.learner._optim import build_optimizer
-from marin_rl.learner._step import loss_and_gradients
+
+_LAZY = {
+    "Learner": "_learner",
+    "per_token_logprobs": "_logprobs",
+    "sequence_logprobs": "_logprobs",
+    "token_logprobs_and_entropy": "_logprobs",
+    "LossInputs": "_loss",
+    "aggregation_weights": "_loss",
+    "kl_estimate": "_loss",
+    "policy_loss": "_loss",
+    "scored_tokens": "_loss",
+    "build_model": "_model",
+    "cast_floating": "_model",
+    "compute_dtype": "_model",
+    "load_hf_model": "_model",
+    "save_hf_model": "_model",
+    "build_optimizer": "_optim",
+    "loss_and_gradients": "_step",
+}
 
 __all__ = [
     "Aggregation",
     "ConstantSchedule",
     "CosineSchedule",
-    "Learner",
     "LearnerConfig",
     "LossConfig",
-    "LossInputs",
     "LrSchedule",
     "ModelConfig",
     "OptimizerConfig",
     "SequenceMean",
     "TokenMean",
     "TokenSum",
-    "aggregation_weights",
-    "build_model",
-    "build_optimizer",
-    "cast_floating",
-    "compute_dtype",
-    "kl_estimate",
-    "load_hf_model",
-    "loss_and_gradients",
-    "per_token_logprobs",
-    "policy_loss",
-    "save_hf_model",
-    "scored_tokens",
-    "sequence_logprobs",
-    "token_logprobs_and_entropy",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"marin_rl.learner.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'marin_rl.learner' has no attribute {name!r}")
