@@ -60,7 +60,7 @@ def packed_batch(rows: int, seq_len: int, rollouts_per_row: int, vocab_size: int
     segment_ids = np.zeros(shape, np.int32)
     for row in range(rows):
         cuts = np.sort(rng.choice(np.arange(2, seq_len - 1), size=rollouts_per_row - 1, replace=False))
-        for segment, (start, end) in enumerate(zip([0, *cuts], [*cuts, seq_len])):
+        for segment, (start, end) in enumerate(zip([0, *cuts], [*cuts, seq_len], strict=True)):
             position_ids[row, start:end] = np.arange(end - start)
             segment_ids[row, start:end] = segment
     loss_mask = (position_ids >= 1) & (rng.random(shape) < 0.5)
@@ -88,7 +88,6 @@ def main() -> None:
     import equinox as eqx
     import jax
     import numpy as np
-
     from marin_rl.learner import Learner, LearnerConfig, ModelConfig, OptimizerConfig, compute_dtype
 
     model_config = ModelConfig(
@@ -110,7 +109,11 @@ def main() -> None:
         vocab_block_size=args.vocab_block_size,
     )
     device = jax.devices()[0]
-    peak = args.peak_flops if args.peak_flops is not None else (H100_BF16_DENSE_FLOPS if device.platform == "gpu" else None)
+    peak = (
+        args.peak_flops
+        if args.peak_flops is not None
+        else (H100_BF16_DENSE_FLOPS if device.platform == "gpu" else None)
+    )
 
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
@@ -131,7 +134,9 @@ def main() -> None:
     flops = 6 * matmul_params * tokens
     flops_with_attention = 3 * model.config.flops_per_token(args.vocab_size) * tokens
 
-    print(f"device: {device.device_kind} ({device.platform}), compute dtype {np.dtype(compute_dtype(model_config)).name}")
+    print(
+        f"device: {device.device_kind} ({device.platform}), compute dtype {np.dtype(compute_dtype(model_config)).name}"
+    )
     print(
         f"model: {args.family} hidden {args.hidden_dim} intermediate {args.intermediate_dim} layers {args.num_layers} "
         f"heads {args.num_heads}/{args.num_kv_heads} vocab {args.vocab_size}; attention {args.attn_backend} "

@@ -72,7 +72,8 @@ class ModelConfig:
         if self.family == "qwen2" and self.head_dim not in (None, self.hidden_dim // self.num_heads):
             # Levanter's Qwen2 attention always uses hidden_dim // num_heads.
             raise ValueError(
-                f"ModelConfig.head_dim must be None or {self.hidden_dim // self.num_heads} for qwen2, got {self.head_dim}"
+                f"ModelConfig.head_dim must be None or {self.hidden_dim // self.num_heads} for qwen2, "
+                f"got {self.head_dim}"
             )
 
 

@@ -45,7 +45,14 @@ class Learner:
     """
 
     def __init__(
-        self, config: LearnerConfig, model_config: ModelConfig, run_dir, tokenizer, *, key, vocab_size: int | None = None
+        self,
+        config: LearnerConfig,
+        model_config: ModelConfig,
+        run_dir,
+        tokenizer,
+        *,
+        key,
+        vocab_size: int | None = None,
     ):
         """`tokenizer` is saved with HF exports and handed to Levanter's HF loader (None: the checkpoint
         directory's own). A fresh model gets `vocab_size` rows of embedding, by default `len(tokenizer)`."""
@@ -91,7 +98,8 @@ class Learner:
         positions = example.input_ids.resolve_axis(POS_AXIS).size
         if positions > self.model_config.seq_len:
             raise ValueError(
-                f"RlExample rows have {positions} positions, more than ModelConfig.seq_len = {self.model_config.seq_len}"
+                f"RlExample rows have {positions} positions, more than "
+                f"ModelConfig.seq_len = {self.model_config.seq_len}"
             )
 
     # --- checkpoints and exports ----------------------------------------------------------------------
@@ -155,7 +163,9 @@ class Learner:
 def _train_step(inputs, opt_state):
     """Loss and gradients over microbatches, then the optimizer update."""
     config, dtype, model, example, reference, key, step = inputs
-    loss, grads, metrics = loss_and_gradients(model, example, config=config, compute_dtype=dtype, reference=reference, key=key)
+    loss, grads, metrics = loss_and_gradients(
+        model, example, config=config, compute_dtype=dtype, reference=reference, key=key
+    )
     optimizer, schedule = build_optimizer(config.optimizer)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -166,4 +176,3 @@ def _train_step(inputs, opt_state):
 
 def _hash(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-

@@ -174,4 +174,3 @@ def _bwd(block_size, residuals, cotangents):
 
 
 token_logprobs_and_entropy.defvjp(_fwd, _bwd)
-

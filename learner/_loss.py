@@ -58,9 +58,7 @@ def aggregation_weights(
             return m / constant
         case SequenceMean():
             rows, positions = segment_ids.shape
-            run_starts = jnp.concatenate(
-                [jnp.ones((rows, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-            )
+            run_starts = jnp.concatenate([jnp.ones((rows, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
             run_index = jnp.cumsum(run_starts, axis=1) - 1
             sequence = (jnp.arange(rows)[:, None] * positions + run_index).reshape(-1)
             per_sequence = jax.ops.segment_sum(m.reshape(-1), sequence, num_segments=rows * positions)

@@ -152,7 +152,9 @@ def save_hf_model(model: LmHeadModel, tokenizer, path: str | os.PathLike, *, dty
         hf_config.save_pretrained(str(tmp))
         state_dict = to_torch_compatible_state_dict(model)
         if dtype is not None:
-            state_dict = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in state_dict.items()}
+            state_dict = {
+                k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in state_dict.items()
+            }
         save_state_dict(state_dict, str(tmp / SAFETENSORS_FILE))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

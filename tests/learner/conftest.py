@@ -18,7 +18,13 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_config():
     return ModelConfig(
-        hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=64, compute_dtype="float32"
+        hidden_dim=32,
+        intermediate_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_len=64,
+        compute_dtype="float32",
     )
 
 

@@ -29,14 +29,22 @@ logprobs = eqx.filter_jit(per_token_logprobs)
 
 @pytest.mark.parametrize(
     "aggregation",
-    [SequenceMean(), pytest.param(TokenMean(), marks=pytest.mark.slow), pytest.param(TokenSum(50.0), marks=pytest.mark.slow)],
+    [
+        SequenceMean(),
+        pytest.param(TokenMean(), marks=pytest.mark.slow),
+        pytest.param(TokenSum(50.0), marks=pytest.mark.slow),
+    ],
     ids=lambda a: type(a).__name__,
 )
 def test_gradient_accumulation_equals_single_batch_gradient(tiny_model_config, packed_batch, aggregation):
     model = build_model(tiny_model_config, 104, key=jax.random.PRNGKey(0))
     # Reference log-probs given with the batch (the reference-model path is covered by the Learner tests).
-    reference_logprobs = packed_batch.policy_logprobs + np.random.default_rng(0).normal(0, 0.3, packed_batch.input_ids.shape)
-    example = RlExample.from_packed(dataclasses.replace(packed_batch, reference_logprobs=reference_logprobs.astype(np.float32)))
+    reference_logprobs = packed_batch.policy_logprobs + np.random.default_rng(0).normal(
+        0, 0.3, packed_batch.input_ids.shape
+    )
+    example = RlExample.from_packed(
+        dataclasses.replace(packed_batch, reference_logprobs=reference_logprobs.astype(np.float32))
+    )
     config = LearnerConfig(loss=LossConfig(beta=0.1, tis_cap=2.0, aggregation=aggregation), vocab_block_size=40)
 
     @eqx.filter_jit
@@ -74,7 +82,9 @@ def mean_loss_token_logprob(model, example, mask):
     return float(np.asarray(logprobs(model, example)[0].array)[mask].mean())
 
 
-def test_steps_with_positive_advantage_raise_those_tokens_logprobs(tmp_path, tokenizer, tiny_model_config, packed_batch):
+def test_steps_with_positive_advantage_raise_those_tokens_logprobs(
+    tmp_path, tokenizer, tiny_model_config, packed_batch
+):
     learner = make_learner(tmp_path, tokenizer, tiny_model_config)
     example = RlExample.from_packed(packed_batch)
     # On-policy batch: behaviour log-probs are the learner's own; every loss token has advantage +1.

@@ -12,7 +12,6 @@ from marin_rl.learner import build_model, per_token_logprobs, scored_tokens, tok
 from marin_rl.learner._attention import use_jax_nn_attention
 from marin_rl.rl_example import RlExample
 
-
 logprobs = eqx.filter_jit(per_token_logprobs)
 
 
@@ -39,9 +38,9 @@ def test_blockwise_logprobs_match_full_softmax_values_and_gradients(block_size):
 
     out, vjp = jax.vjp(blockwise, hidden, lm_head)
     expected, expected_vjp = jax.vjp(naive, hidden, lm_head)
-    for actual, wanted in zip(out, expected):
+    for actual, wanted in zip(out, expected, strict=True):
         np.testing.assert_allclose(actual, wanted, rtol=1e-5, atol=1e-5)
-    for actual, wanted in zip(vjp(cotangents), expected_vjp(cotangents)):
+    for actual, wanted in zip(vjp(cotangents), expected_vjp(cotangents), strict=True):
         np.testing.assert_allclose(actual, wanted, rtol=1e-4, atol=1e-5)
 
 
@@ -65,7 +64,9 @@ def rollouts_alone(packed, *, pad_to=None):
         return out
 
     if pad_to is None:
-        return rollouts, [RlExample.from_packed(type(packed)(**take(row, where, where.sum()))) for row, where in rollouts]
+        return rollouts, [
+            RlExample.from_packed(type(packed)(**take(row, where, where.sum()))) for row, where in rollouts
+        ]
     rows = [take(row, where, pad_to) for row, where in rollouts]
     stacked = {name: np.concatenate([r[name] for r in rows]) for name in fields}
     return rollouts, RlExample.from_packed(type(packed)(**stacked))

@@ -22,7 +22,7 @@ from marin_rl.learner import (
 def reference_loss(logp, packed, mask, config: LossConfig, reference_logprobs=None):
     """Token by token, then grouped by (row, segment id)."""
     per_token = {}
-    for row, pos in zip(*np.nonzero(mask)):
+    for row, pos in zip(*np.nonzero(mask), strict=True):
         lp, b, a = float(logp[row, pos]), float(packed.policy_logprobs[row, pos]), float(packed.advantages[row, pos])
         if config.tis_cap is None:
             rho, weight = np.exp(lp - b), 1.0
@@ -84,7 +84,11 @@ def test_loss_matches_numpy_reference(packed_batch, aggregation, tis_cap, kl):
     logp = near_behaviour_logprobs(packed, seed=2)
     reference = near_behaviour_logprobs(packed, seed=3) if kl else None
     config = LossConfig(
-        eps_low=0.1, eps_high=0.25, tis_cap=tis_cap, beta=0.3 if kl else 0.0, kl_estimator=kl or "k3",
+        eps_low=0.1,
+        eps_high=0.25,
+        tis_cap=tis_cap,
+        beta=0.3 if kl else 0.0,
+        kl_estimator=kl or "k3",
         aggregation=aggregation,
     )
     inputs = loss_inputs(packed, aggregation, reference)
@@ -164,4 +168,3 @@ def test_masked_tokens_with_extreme_log_probs_do_not_poison_the_loss(packed_batc
     inputs = dataclasses.replace(inputs, reference_logprobs=jnp.full_like(logp, -1e4))
     loss, grad = jax.value_and_grad(lambda lp: policy_loss(lp, 0 * lp, inputs, config)[0])(logp)
     assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
-
