@@ -1,9 +1,8 @@
 """The quickstart's toy task: modular addition of single digits, answered with one character.
 
-Prompt `3+1=`, answer `4` (the sum mod 10). The `correct` reward checks the first character of
-the completion against the sum, so it depends on the prompt: a model that ignores the prompt scores
-at most 1 / `modulus`, and a random-init model starts near 1 / vocabulary size. A small `format`
-reward (weight 0.1) pays for answering with any digit. With the default
+Prompt `3+1=`, answer `4` (the sum mod 10). The reward checks the first character of the
+completion against the sum, so it depends on the prompt: a model that ignores the prompt scores
+at most 1 / `modulus`, and a random-init model starts near 1 / vocabulary size. With the default
 `addends: [1]` there are 10 prompts (a 10-way mapping of prompt to digit), which a tiny model
 learns by RL in a few dozen steps on a CPU (see docs/quickstart.md). More addends make a harder
 task: a tiny model tends to lock onto wrong digits for some prompts, where no sample in the group
@@ -49,9 +48,3 @@ class ToyAdditionEnv(Env):
     @reward
     def correct(self, completion: str, answer: str) -> float:
         return float(completion.strip()[:1] == answer)
-
-    @reward(weight=0.1)
-    def format(self, completion: str) -> float:
-        """Answering with a digit at all: a small dense signal that gets a random-init model (which
-        mostly samples other characters) to digits fast, after which `correct` is dense too."""
-        return float(completion.strip()[:1].isdigit())

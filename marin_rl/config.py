@@ -30,6 +30,28 @@ from marin_rl.replay._buffer import ReplayBufferConfig
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """How an env's held-out problems (`Env.eval_problems()`) are evaluated every `eval_every` steps."""
+
+    greedy: bool = True
+    """One greedy (temperature 0) sample per problem: `eval/{env}/greedy/reward/mean`, `.../pass@1`."""
+    pass_at_k: list[int] = field(default_factory=list)
+    """Also sample `samples` completions per problem and report `eval/{env}/sampled/pass@k` for these k."""
+    samples: int | None = None
+    """Samples per problem for pass@k; None: the largest k."""
+    temperature: float = 1.0
+    """Sampling temperature of the pass@k samples."""
+    max_problems: int | None = None
+    """Evaluate only the first this many held-out problems; None: all."""
+
+    def __post_init__(self):
+        if self.pass_at_k and min(self.pass_at_k) < 1:
+            raise ValueError(f"eval.pass_at_k must be >= 1, got {self.pass_at_k}")
+        if self.pass_at_k and self.samples is not None and self.samples < max(self.pass_at_k):
+            raise ValueError(f"eval.samples ({self.samples}) must be >= the largest pass_at_k ({max(self.pass_at_k)})")
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """One environment of the run: what it is, how much of each batch it gets, how it samples."""
 
@@ -58,6 +80,8 @@ class EnvConfig:
     (docs/algorithms.md)."""
     buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     """This env's replay buffer: max age (staleness cap), min group size, zero-variance filtering."""
+    eval: EvalConfig | None = field(default_factory=EvalConfig)
+    """Held-out evaluation every `eval_every` steps (envs without `eval_problems()` are skipped); None: off."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
@@ -119,6 +143,9 @@ class TrainConfig:
     """How often new weights reach the servers, and which remote servers there are."""
     checkpoint_every: int = 50
     """Save a learner checkpoint every this many steps (and always on exit)."""
+    eval_every: int | None = None
+    """Evaluate every env's held-out problems every this many steps (and before the first step);
+    None: never. Metrics `eval/{env}/...` go to metrics.jsonl and the plots."""
     export_hf_every: int | None = None
     """Also export Hugging Face weights to RUN/hf/step-N/ every this many steps; None: only at the end."""
     max_buffered_batches: float = 2.0
@@ -150,6 +177,8 @@ class TrainConfig:
             raise ValueError(f"server.max_seq_len ({self.server.max_seq_len}) exceeds model.seq_len ({self.model.seq_len})")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"eval_every must be >= 1 or null, got {self.eval_every}")
         if self.max_buffered_batches <= 0:
             raise ValueError(f"max_buffered_batches must be > 0, got {self.max_buffered_batches}")
 

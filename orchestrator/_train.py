@@ -102,6 +102,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
             verifier_timeout_s=e.verifier_timeout_s,
             max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
             max_total_tokens=config.batcher.max_seq_len,
+            eval=e.eval,
         )
         for e in config.envs
     }
@@ -120,6 +121,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     workers.start()
     try:
         with ProgressLine(config.max_steps, start_step, [e.name for e in config.envs]) as progress:
+            if config.eval_every and start_step == 0:
+                metrics_log.log(0, _timed_eval(workers))  # the baseline, before any update
             while step < config.max_steps:
                 # --- data: wait for a full batch of fresh-enough rollouts
                 t0 = time.perf_counter()
@@ -152,6 +155,8 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                 totals["wall"] += t3 - t0
                 totals["wait"] += t1 - t0
                 generated = sum(metrics.get(f"replays/{e.name}/new_generated_tokens", 0.0) for e in config.envs)
+                if config.eval_every and step % config.eval_every == 0:
+                    metrics.update(_timed_eval(workers))
                 metrics.update(
                     {
                         "time/step_s": t3 - t0,
@@ -184,3 +189,10 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         learner.save_checkpoint()
     learner.export_hf()
     return TrainResult(run_dir, learner.policy_version, stopped_early)
+
+
+def _timed_eval(workers: EnvWorkers) -> dict[str, float]:
+    start = time.perf_counter()
+    metrics = workers.evaluate()
+    metrics["time/eval_s"] = time.perf_counter() - start
+    return metrics

@@ -11,10 +11,11 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
-from marin_rl.envs import Env, OpenAISampler, SamplingParams, cycle_problems, sample_group
+from marin_rl.config import EvalConfig
+from marin_rl.envs import Env, OpenAISampler, SamplingParams, cycle_problems, evaluate, sample_group
 from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
 from marin_rl.replay import AlgorithmConfig, ReplayBuffer, TeacherConfig
 
@@ -52,6 +53,8 @@ class WorkerSpec:
     """The frozen teacher server, for `source: teacher` or `score_with_teacher`."""
     score_with_teacher: bool = False
     """Ask the teacher for the logprob of every sampled token (on-policy distillation)."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation settings (None: not evaluated)."""
 
     @staticmethod
     def for_algorithm(algorithm: AlgorithmConfig, **fields) -> WorkerSpec:
@@ -62,6 +65,12 @@ class WorkerSpec:
             score_with_teacher=algorithm.needs_teacher_logprobs,
             **fields,
         )
+
+
+def _eval_metrics(metrics: dict[str, float], env: str, mode: str) -> dict[str, float]:
+    """`eval/{env}/x` -> `eval/{env}/{mode}/x`, so greedy and sampled evals sit side by side."""
+    prefix = f"eval/{env}/"
+    return {prefix + mode + "/" + key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
 
 
 class EnvWorkers:
@@ -134,6 +143,7 @@ class EnvWorkers:
                 policy_sampler = samplers[replica % len(samplers)]
                 sampler = teacher_sampler if spec.source == "teacher" else policy_sampler
                 tasks.append(asyncio.create_task(self._worker(name, env, problems, sampler, scorer), name=f"{name}/{replica}"))
+        self._policy_sampler = samplers[0]
         self._ready.set()
         await self._stopping.wait()
         for task in tasks:
@@ -182,6 +192,40 @@ class EnvWorkers:
             accepted = buffer.add(rollouts)
             self._count(f"workers/{name}/groups")
             self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+
+    # ---- evaluation ----
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate every env's held-out problems with the current policy (blocks until done).
+
+        Runs on the workers' event loop next to training's requests; eval rollouts are not trained on.
+        """
+        return asyncio.run_coroutine_threadsafe(self._evaluate_all(), self._loop).result()
+
+    async def _evaluate_all(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, env in self.envs.items():
+            spec = self.specs[name]
+            problems = env.eval_problems() if spec.eval is not None else None
+            if problems is None:
+                continue
+            problems = list(problems)[: spec.eval.max_problems]
+            common = dict(
+                reward_weights=spec.reward_weights,
+                verifier_timeout_s=spec.verifier_timeout_s,
+                max_turns=spec.max_turns,
+                max_total_tokens=spec.max_total_tokens,
+            )
+            sampling = env.sampling.merged(spec.sampling)
+            if spec.eval.greedy:
+                result = await evaluate(env, self._policy_sampler, problems, sampling=replace(sampling, temperature=0.0), **common)
+                metrics.update(_eval_metrics(result.metrics(), name, "greedy"))
+            if spec.eval.pass_at_k:
+                n = spec.eval.samples or max(spec.eval.pass_at_k)
+                sampled = replace(sampling, temperature=spec.eval.temperature)
+                result = await evaluate(env, self._policy_sampler, problems, n=n, ks=spec.eval.pass_at_k, sampling=sampled, **common)
+                metrics.update(_eval_metrics(result.metrics(), name, "sampled"))
+        return metrics
 
     def _count(self, key: str, by: int = 1) -> None:
         with self._lock:
