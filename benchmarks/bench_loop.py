@@ -38,9 +38,15 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=65536, help="tokens per learner batch")
     parser.add_argument("--max-seqs", type=int, default=128, help="server: sequences decoded together")
     parser.add_argument("--microbatch-rows", type=int, default=None)
+    parser.add_argument("--attn-backend", default="default", help="learner attention (cudnn on GPU)")
+    parser.add_argument("--server-dtype", default=None, help="server compute dtype (bfloat16 on GPU)")
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--summarize", type=Path, default=None, help="only print the figures of an earlier run dir")
     args = parser.parse_args()
 
+    if args.summarize:
+        summarize(args.summarize, args.size, wall=None)
+        return
     from marin_rl.config import load_config
     from marin_rl.orchestrator import train
 
@@ -71,19 +77,33 @@ def main() -> None:
     ]
     if args.microbatch_rows:
         overrides.append(f"--learner.microbatch_rows={args.microbatch_rows}")
+    overrides.append(f"--model.attn_backend={args.attn_backend}")
+    if args.server_dtype:
+        overrides.append(f"--server.compute_dtype={args.server_dtype}")
     config = load_config("configs/quickstart.yaml", overrides)
     started = time.perf_counter()
     train(config)
-    wall = time.perf_counter() - started
+    summarize(run_dir, args.size, wall=time.perf_counter() - started)
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+def summarize(run_dir: Path, size: str, wall: float | None) -> None:
+    """The figures, from the run's metrics.jsonl (so a run cut short can still be read)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steady = records[1:] or records  # the first step includes compilation
     generated = sum(r["replays/addition/new_generated_tokens"] for r in steady)
     steady_wall = sum(r["time/step_s"] for r in steady)
-    print(f"model: {args.size} ({hidden} hidden, {layers} layers), {len(records)} steps, run wall {wall:.0f}s incl. startup")
+    hidden, _, layers, _, _ = SIZES[size]
+    total = f", run wall {wall:.0f}s incl. startup" if wall is not None else ""
+    print(f"model: {size} ({hidden} hidden, {layers} layers), {len(records)} steps{total}")
+    step_seconds = ", ".join(f"{r['time/step_s']:.1f}" for r in steady)
+    print(f"step seconds (steady): {step_seconds}")
     print(f"generated tokens/s (server, steady steps): {generated / steady_wall:,.0f}")
     print(f"learner tokens/s (packed tokens / step time): {np.median([r['learner/tokens_per_s'] for r in steady]):,.0f}")
-    print(f"weight swap seconds (colocated, in place): {np.median([r['broadcast/swap_seconds'] for r in steady]):.3f}")
+    swap = {part: np.median([r[f"broadcast/swap_{part}seconds"] for r in steady]) for part in ("", "copy_", "wait_")}
+    print(
+        f"weight swap seconds (colocated, in place): {swap['']:.3f} = copy {swap['copy_']:.3f} "
+        f"+ wait for the server's batch in flight {swap['wait_']:.3f}"
+    )
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")
     print(f"packing efficiency: {np.mean([r['batch/packing_efficiency'] for r in steady]):.3f}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import RunDirError
+from marin_rl.errors import ConfigError, RunDirError
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
 
@@ -50,6 +50,13 @@ def prepare_run_dir(config: TrainConfig, resume: bool) -> Path:
 def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None) -> TrainResult:
     """Train until `config.max_steps` or until `stop` is set; always flushes rollouts and checkpoints."""
     stop = stop or threading.Event()
+    if config.model.attn_backend == "cudnn":
+        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
+        # capture fails when the colocated server launches kernels from its thread meanwhile.
+        raise ConfigError(
+            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
+            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
+        )
     run_dir = prepare_run_dir(config, resume)
 
     # Heavy imports after the config is known to be good.
@@ -150,8 +157,10 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                     metrics.update(buffer.metrics())
                     buffer.flush_if_due()
                 metrics.update(workers.metrics())
-                if server.last_swap is not None:
+                if server.last_swap is not None:  # copy: the weights; wait: the server's batch in flight
                     metrics["broadcast/swap_seconds"] = server.last_swap.total_seconds
+                    metrics["broadcast/swap_copy_seconds"] = server.last_swap.copy_seconds
+                    metrics["broadcast/swap_wait_seconds"] = server.last_swap.wait_seconds
                 totals["wall"] += t3 - t0
                 totals["wait"] += t1 - t0
                 generated = sum(metrics.get(f"replays/{e.name}/new_generated_tokens", 0.0) for e in config.envs)
