@@ -18,7 +18,7 @@ def test_quickstart_config_parses_with_overrides():
     assert isinstance(config, TrainConfig)
     assert config.run_dir == "/tmp/elsewhere" and config.max_steps == 7
     assert config.learner.optimizer.learning_rate == 1e-5
-    assert config.envs[0].type == "toy_addition" and config.envs[0].sampling.max_tokens == 2
+    assert config.envs[0].type == "toy_addition" and config.envs[0].sampling.max_tokens == 1
     # The resolved dump reads back to the same config.
     assert load_config(_dump(config)) == config
 

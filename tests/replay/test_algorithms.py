@@ -136,3 +136,19 @@ def test_mixed_algorithms_pack_into_one_batch_with_aligned_arrays():
     assert (packed.rl_weights > 0).sum() == 3 + 5 + 4
     # opd tokens (rl without kl): the teacher is 0.5 nats less likely on each sampled token.
     np.testing.assert_allclose(packed.advantages[(packed.rl_weights > 0) & (packed.kl_weights == 0)], -0.5, rtol=1e-6)
+
+
+def test_the_docs_example_algorithm_registers_and_scores():
+    import re
+    from pathlib import Path
+
+    from marin_rl.replay import AlgorithmConfig
+
+    doc = (Path(__file__).parents[2] / "docs" / "algorithms.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "register_subclass" in block]
+    if "max_baseline" not in AlgorithmConfig.get_known_choices():
+        exec(compile(example, "docs/algorithms.md", "exec"), {"__name__": "docs_example"})
+    config = AlgorithmConfig.get_choice_class("max_baseline")()
+    members = flat(make_group([1.0, 0.0, 0.5]))
+    advantages = [signal.advantages[m.sampled_mask][0] for m, signal in zip(members, config.score_group(members))]
+    np.testing.assert_allclose(advantages, [0.0, -1.0, -0.5])
