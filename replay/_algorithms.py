@@ -41,6 +41,7 @@ class TokenSignal:
     rl_weights: np.ndarray  # float32
     ce_weights: np.ndarray  # float32
     kl_weights: np.ndarray  # float32
+    # Arrays may be shared, read-only views (e.g. one run of zeros): copy before changing them.
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,13 @@ class AlgorithmConfig(draccus.ChoiceRegistry, abc.ABC):
         return self.get_choice_name(type(self))
 
 
-def _sampled(member: FlatRollout) -> np.ndarray:
-    return member.sampled_mask.astype(np.float32)
+_ZEROS = np.zeros(1 << 16, np.float32)
+_ZEROS.flags.writeable = False
+
+
+def _zeros(n: int) -> np.ndarray:
+    """A read-only run of n zeros (a shared view, not a new array: scoring happens per batch)."""
+    return _ZEROS[:n] if n <= len(_ZEROS) else np.zeros(n, np.float32)
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,9 @@ class GroupAdvantageConfig(AlgorithmConfig):
             values = np.maximum(values, 0.0)
         signals = []
         for member, advantage in zip(members, values):
-            sampled = _sampled(member)
-            rl = np.zeros_like(sampled) if (self.filter_truncated and member.rollout.is_truncated) else sampled
-            signals.append(TokenSignal(np.float32(advantage) * sampled, rl, np.zeros_like(sampled), sampled))
+            sampled, zeros = member.sampled_weights, _zeros(member.num_tokens)
+            rl = zeros if (self.filter_truncated and member.rollout.is_truncated) else sampled
+            signals.append(TokenSignal(np.float32(advantage) * sampled, rl, zeros, sampled))
         return signals
 
 
@@ -223,9 +229,8 @@ class SftConfig(AlgorithmConfig):
     def score_group(self, members: Sequence[FlatRollout]) -> list[TokenSignal]:
         signals = []
         for member in members:
-            sampled = _sampled(member)
-            zeros = np.zeros_like(sampled)
-            signals.append(TokenSignal(zeros, zeros, sampled, zeros))
+            zeros = _zeros(member.num_tokens)
+            signals.append(TokenSignal(zeros, zeros, member.sampled_weights, zeros))
         return signals
 
 
@@ -262,8 +267,7 @@ class OpdConfig(AlgorithmConfig):
         for member in members:
             if member.teacher_logprobs is None:
                 raise ValueError(f"opd: rollout {member.rollout.rollout_uid!r} has no teacher_logprobs")
-            sampled = _sampled(member)
+            sampled, zeros = member.sampled_weights, _zeros(member.num_tokens)
             reverse_kl = (member.behaviour_logprobs - member.teacher_logprobs) * sampled
-            zeros = np.zeros_like(sampled)
             signals.append(TokenSignal((-self.coef * reverse_kl).astype(np.float32), sampled, zeros, zeros))
         return signals

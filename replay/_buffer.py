@@ -51,16 +51,19 @@ class FlatRollout:
     rollout: Rollout
     token_ids: np.ndarray  # int32, every turn's ids in order
     sampled_mask: np.ndarray  # bool, True on assistant (sampled) tokens
+    sampled_weights: np.ndarray  # float32 copy of sampled_mask: the default weight of a loss component
     behaviour_logprobs: np.ndarray  # float32, sampling logprobs on sampled tokens, 0 elsewhere
     teacher_logprobs: np.ndarray | None  # float32, a teacher's logprobs on sampled tokens (opd), else None
     policy_version: int
 
     @staticmethod
     def of(rollout: Rollout) -> FlatRollout:
+        sampled = rollout.sampled_mask()
         return FlatRollout(
             rollout,
             rollout.token_ids(),
-            rollout.sampled_mask(),
+            sampled,
+            sampled.astype(np.float32),
             rollout.behaviour_logprobs(),
             rollout.teacher_logprobs(),
             rollout.policy_version,
@@ -127,6 +130,8 @@ class ReplayBuffer:
             RolloutWriter(self._dir, config.flush_every_rollouts, config.flush_every_s) if self._dir else None
         )
         self._groups: dict[str, list[FlatRollout]] = {}  # insertion order = arrival order
+        self._num_rollouts = 0  # kept in step with _groups, so size() is O(1) (workers poll it)
+        self._num_tokens = 0
         self._lock = threading.Lock()
         self._data_arrived = threading.Condition(self._lock)
         self._policy_version = 0
@@ -160,6 +165,8 @@ class ReplayBuffer:
                 if rollout.group_id not in self._groups:
                     self._groups_seen += 1
                 self._groups.setdefault(rollout.group_id, []).append(entry)
+                self._num_rollouts += 1
+                self._num_tokens += entry.num_tokens
                 self._oldest_version = min(self._oldest_version, entry.policy_version)
                 self._count_new(entry)
             if accepted:
@@ -230,6 +237,7 @@ class ReplayBuffer:
                 entries = self._groups[group_id]
                 kept = [e for e in entries if e.policy_version >= oldest_allowed]
                 dropped += len(entries) - len(kept)
+                self._forget([e for e in entries if e.policy_version < oldest_allowed])
                 self._oldest_version = min([self._oldest_version, *(e.policy_version for e in kept)])
                 if kept:
                     self._groups[group_id] = kept
@@ -241,6 +249,11 @@ class ReplayBuffer:
     @property
     def policy_version(self) -> int:
         return self._policy_version
+
+    def _forget(self, entries: list[FlatRollout]) -> None:
+        """Update the counters for entries leaving the buffer (caller holds the lock)."""
+        self._num_rollouts -= len(entries)
+        self._num_tokens -= sum(e.num_tokens for e in entries)
 
     # ---- the batcher's side ----
 
@@ -254,7 +267,9 @@ class ReplayBuffer:
                 continue
             if self.config.drop_zero_variance_groups and _rewards_all_equal(entries[: len(lengths)]):
                 with self._lock:
-                    if self._groups.pop(group_id, None) is not None:
+                    filtered = self._groups.pop(group_id, None)
+                    if filtered is not None:
+                        self._forget(filtered)
                         self._totals["filtered_groups"] += 1
                 continue
             yield GroupSpec(group_id, lengths)
@@ -264,10 +279,11 @@ class ReplayBuffer:
         planned; members that arrived after `candidates` stay in the buffer)."""
         taken: list[ScoredGroup] = []
         with self._lock:
-            available = sum(len(entries) for entries in self._groups.values())
+            available = self._num_rollouts
             for group_id, size in sizes.items():
                 entries = self._groups.pop(group_id)
                 members, rest = entries[:size], entries[size:]
+                self._forget(members)
                 if rest:
                     self._groups[group_id] = rest
                 taken.append(ScoredGroup(self.env, group_id, tuple(members), tuple(self.algorithm.score_group(members))))
@@ -283,8 +299,7 @@ class ReplayBuffer:
     def size(self) -> tuple[int, int]:
         """(rollouts, tokens) currently held."""
         with self._lock:
-            entries = [e for group in self._groups.values() for e in group]
-        return len(entries), sum(e.num_tokens for e in entries)
+            return self._num_rollouts, self._num_tokens
 
     # ---- reporting ----
 

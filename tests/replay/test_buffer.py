@@ -170,3 +170,17 @@ def test_take_leaves_members_that_arrived_after_planning():
     (taken,) = buffer.take({spec.key: len(spec.lengths)})
     assert len(taken.members) == 2
     assert buffer.size()[0] == 1
+
+
+def test_size_counters_follow_adds_takes_ageing_and_filtering():
+    buffer = ReplayBuffer("env", ReplayBufferConfig(max_age=0, drop_zero_variance_groups=True))
+    buffer.add(make_group([1.0, 0.0], group_id="old", policy_version=0, completion_lens=[3, 4]))
+    buffer.add(make_group([1.0, 1.0], group_id="flat", policy_version=1, completion_lens=[5, 6]))
+    buffer.add(make_group([1.0, 0.0, 0.5], group_id="new", policy_version=1, completion_lens=[2, 2, 2]))
+    assert buffer.size() == (7, (4 + 3) + (4 + 4) + (4 + 5) + (4 + 6) + 3 * (4 + 2))
+    buffer.set_policy_version(1)  # "old" is stale
+    list(buffer.candidates())  # "flat" is filtered
+    assert buffer.size() == (3, 18)
+    buffer.take({"new": 2})
+    assert buffer.size() == (1, 6)
+    assert buffer.metrics()["replays/env/rollouts_in_buffer"] == 1
