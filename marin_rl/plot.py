@@ -30,8 +30,8 @@ FIGURES: dict[str, tuple[str, list[tuple[str, str]]]] = {
         [(r"batches/(?P<env>[^/]+)/frac_used", "{env}")],
     ),
     "eval": (
-        "evaluation",
-        [(r"eval/(?P<env>[^/]+)/(?P<metric>[^/]+)", "{env} {metric}")],
+        "held-out evaluation",
+        [(r"eval/(?P<env>[^/]+)/(?P<mode>greedy|sampled)/(?P<metric>reward/mean|pass@\d+)", "{env} {mode} {metric}")],
     ),
 }
 

@@ -157,6 +157,11 @@ class _Handler:
             ) from None
         except concurrent.futures.CancelledError:
             raise ApiError(503, "the inference server is shutting down") from None
+        except Exception as e:  # noqa: BLE001 - an engine failure is a 500 for this request only
+            # Raised as an ApiError, not left to the catch-all handler: Starlette re-raises from that
+            # one after answering, and uvicorn then resets the connection before the client reads it.
+            logger.exception("generation failed")
+            raise ApiError(500, f"{type(e).__name__}: {e}") from None
         finally:
             for f in futures:
                 f.cancel()  # no-op when done; drops queued jobs of a timed-out request
