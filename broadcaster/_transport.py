@@ -43,13 +43,18 @@ class WeightTransport(abc.ABC):
 
 
 class ColocatedTransport(WeightTransport):
-    """In-place swap into a `PolicyServer` in this process (no disk, no recompilation)."""
+    """In-place swap into a `PolicyServer` in this process (no disk, no recompilation).
+
+    The push does not wait for the server's batch in flight (which finishes, and is reported, with
+    the old version): on a GPU that batch can take tens of seconds, and the learner would idle. Every
+    request made after the push is served by the new weights; staleness stays bounded by max_age.
+    """
 
     def __init__(self, server):
         self.server = server
 
     def push(self, model, policy_version: int) -> None:
-        self.server.swap_weights(model, policy_version)
+        self.server.swap_weights(model, policy_version, wait=False)
 
     def confirmed_version(self) -> int:
         return self.server.policy_version

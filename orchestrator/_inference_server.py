@@ -31,7 +31,7 @@ class WeightSwap:
     copy_seconds: float
     """Making the server's copy of the weights (cast to the compute dtype), on device."""
     wait_seconds: float
-    """Waiting for the batch in flight to finish, then installing the weights."""
+    """Waiting for the batch in flight to finish, then installing the weights (about 0 when not waiting)."""
 
     @property
     def total_seconds(self) -> float:
@@ -144,18 +144,20 @@ class PolicyServer:
 
     # ------------------------------------------------------------------------------------------- weights
 
-    def swap_weights(self, model, policy_version: int, *, copy: bool = True) -> WeightSwap:
-        """Serve `model` from the next batch on, reporting `policy_version`; blocks until installed.
+    def swap_weights(self, model, policy_version: int, *, copy: bool = True, wait: bool = True) -> WeightSwap:
+        """Serve `model` from the next batch on, reporting `policy_version`.
 
-        The batch in flight finishes with the old weights. The model must have the served architecture;
-        its compiled kernels are reused (no recompilation). `copy=False` skips making the server's own
-        copy: only for models nobody else holds (a freshly loaded checkpoint in the compute dtype).
+        The batch in flight finishes with the old weights. `wait=True` blocks until the new weights are
+        installed (after that batch); `wait=False` returns at once, and any request made after it is
+        served by the new weights (or newer). The model must have the served architecture; its compiled
+        kernels are reused (no recompilation). `copy=False` skips making the server's own copy: only for
+        models nobody else holds (a freshly loaded checkpoint in the compute dtype).
         """
         start = time.perf_counter()
         if copy:
             model = self._serving_copy(model, self.config.compute_dtype)
         copied = time.perf_counter()
-        self._worker.swap(model, policy_version)
+        self._worker.swap(model, policy_version, wait=wait)
         self.last_swap = WeightSwap(policy_version, copied - start, time.perf_counter() - copied)
         logger.info("swapped in policy version %d in %.3fs", policy_version, self.last_swap.total_seconds)
         return self.last_swap

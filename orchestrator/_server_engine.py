@@ -177,8 +177,10 @@ class EngineWorker:
             self._cv.notify()
         return job.future
 
-    def swap(self, model, policy_version: int) -> None:
-        """Install `model` before the next batch; blocks until installed (a running batch finishes first)."""
+    def swap(self, model, policy_version: int, wait: bool = True) -> None:
+        """Install `model` before the next batch (a running batch finishes with the old weights).
+        With `wait`, block until installed; either way, a job submitted after this returns runs on the
+        new weights (or newer)."""
         check_same_architecture(self._model, model)
         installed = threading.Event()
         with self._cv:
@@ -186,7 +188,8 @@ class EngineWorker:
                 raise RuntimeError("the inference server is shut down")
             self._swaps.append((model, policy_version, installed))
             self._cv.notify()
-        installed.wait()
+        if wait:
+            installed.wait()
 
     def stop(self) -> None:
         with self._cv:

@@ -189,6 +189,7 @@ def test_swap_weights_serves_the_new_model_without_recompiling(client, server, m
     prompt = chat_prompt()
     greedy_a, greedy_b = greedy_decode(model_a, prompt, 16), greedy_decode(model_b, prompt, 16)
     assert greedy_a != greedy_b  # precondition: the two random models disagree
+    client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)  # compile first
     compiled = (levanter_engine._run_prefill._cache_size(), levanter_engine._run_generation_loop._cache_size())
 
     def greedy():
@@ -203,6 +204,16 @@ def test_swap_weights_serves_the_new_model_without_recompiling(client, server, m
     assert server.policy_version == version + 2 and server.last_swap == second
     assert (levanter_engine._run_prefill._cache_size(), levanter_engine._run_generation_loop._cache_size()) == compiled
     print(f"swap seconds: first {first.total_seconds:.4f}, second {second.total_seconds:.4f}")
+
+
+def test_swap_without_waiting_serves_every_later_request_with_the_new_weights(client, server, model_a):
+    model_b = tiny_llama(1)
+    greedy_b = greedy_decode(model_b, chat_prompt(), 16)
+    version = server.policy_version
+    server.swap_weights(model_b, version + 1, wait=False)  # what the colocated broadcaster does
+    r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert (r.choices[0].token_ids, r.policy_version) == (greedy_b, version + 1)
+    server.swap_weights(model_a, version + 2)
 
 
 def test_swap_weights_refuses_another_architecture(server, model_a):
