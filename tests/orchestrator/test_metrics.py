@@ -1,0 +1,36 @@
+import json
+
+from marin_rl.config import WandbConfig
+from marin_rl.orchestrator._metrics import MetricsLog, read_metrics, summary_line
+
+
+def test_metrics_log_appends_jsonl_and_mirrors_to_wandb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    log = MetricsLog(tmp_path, WandbConfig(project="marin-rl-test", mode="offline"), config_dict={"a": 1})
+    log.log(1, {"learner/loss": 0.5, "x": float("nan")})
+    log.log(2, {"learner/loss": 0.25})
+    assert log._wandb is not None
+    log.close()
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and records[0]["x"] is None
+    assert any((tmp_path / "wandb").iterdir()), "W&B wrote its offline run"
+
+
+def test_a_partial_last_line_is_skipped(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + '{"step": 2, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_summary_line_shows_reward_per_env_and_throughput():
+    metrics = {
+        "batches/a/reward_mean": 1.0,
+        "batches/a/rollouts_used": 3,
+        "batches/b/reward_mean": 0.0,
+        "batches/b/rollouts_used": 1,
+        "learner/loss": 0.1,
+        "learner/tokens_per_s": 1234.0,
+        "batch/staleness_mean": 0.5,
+    }
+    line = summary_line(7, metrics, ["a", "b"])
+    assert line.startswith("step 7 | reward 0.750 (a 1.00, b 0.00)")
+    assert "learner tok/s 1,234" in line and "staleness 0.50" in line
