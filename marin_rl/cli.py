@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    console = Console()
+    console = Console(soft_wrap=True)  # log lines stay whole in files and pipes
     errors = Console(stderr=True, soft_wrap=True)
     try:
         return args.handler(args, console)

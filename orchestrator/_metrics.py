@@ -101,7 +101,7 @@ class ProgressLine:
         line = summary_line(step, metrics, self.env_names)
         self._progress.update(self._task, completed=step, status=line.split(" | ", 1)[-1])
         if step % self.log_every == 0:
-            self.console.print(line, highlight=False)
+            self.console.print(line, highlight=False, soft_wrap=True)
 
 
 def summary_line(step: int, metrics: Mapping[str, float], env_names: list[str]) -> str:
