@@ -1,7 +1,7 @@
 """The `marin-rl` command. Parses arguments first; heavy libraries load only in the command that needs them.
 
     marin-rl train CONFIG [--resume] [--key.sub=value ...]   train (overrides as in Levanter: --learner.optimizer.learning_rate=1e-5)
-    marin-rl serve CONFIG [--key=value ...]                  serve an HF checkpoint, accept token-protected weight pushes
+    marin-rl serve --checkpoint DIR [--key=value ...]        serve an HF checkpoint, accept token-protected weight pushes
     marin-rl plot RUN                                        PNG plots of a run's metrics
     marin-rl rollouts summary|show|export RUN                inspect the rollouts on disk
     marin-rl envs                                            list the registered env types
@@ -40,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = subparsers.add_parser(
         "serve",
         help="serve an HF checkpoint over the OpenAI API (a remote server for the broadcaster)",
-        description="Serve from CONFIG (a ServeConfig YAML); --key=value overrides it.",
+        description="Serve a checkpoint: --checkpoint DIR [--tokenizer char] [--server.port 8000] ..., "
+        "or --config_path serve.yaml (a ServeConfig) with overrides.",
     )
-    serve.add_argument("config", type=Path, nargs="?", help="YAML serve config (or give everything as overrides)")
     serve.set_defaults(handler=serve_command, takes_overrides=True)
 
     plot = subparsers.add_parser("plot", help="write PNG plots of reward, loss, KL and throughput per env")
@@ -112,7 +112,7 @@ def serve_command(args, console: Console) -> int:
     from marin_rl.orchestrator._server_config import ServeConfig
 
     try:
-        config = draccus.parse(ServeConfig, config_path=str(args.config) if args.config else None, args=args.overrides)
+        config = draccus.parse(ServeConfig, args=args.overrides)
     except Exception as e:  # noqa: BLE001 - draccus raises several types for a bad config
         raise ConfigError(f"serve config: {e}") from e
     from marin_rl.orchestrator._server_process import serve_main
