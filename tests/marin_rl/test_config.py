@@ -78,3 +78,11 @@ def test_env_overrides_address_an_env_by_name_or_index():
     assert env.group_size == 16 and env.sampling.max_tokens == 3 and env.args["addends"] == [1, 2]
     with pytest.raises(ConfigError, match="no env named 'nope'"):
         load_config(QUICKSTART, ["--envs.nope.group_size=16"])
+
+
+def test_serve_command_reads_its_config_from_flags(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("marin_rl.orchestrator._server_process.serve_main", lambda config: seen.setdefault("config", config))
+    assert main(["serve", "--checkpoint", "/ckpt", "--tokenizer", "char", "--server.port", "8011"]) == 0
+    assert seen["config"].checkpoint == "/ckpt" and seen["config"].server.port == 8011
+    assert seen["config"].server.host == "127.0.0.1"
