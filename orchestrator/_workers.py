@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig
@@ -38,11 +38,13 @@ class WorkerSpec:
 
     replicas: int
     group_size: int
-    sampling: SamplingParams | None
-    reward_weights: Mapping[str, float]
-    max_turns: int | None
-    verifier_timeout_s: float | None
-    max_buffered_tokens: int
+    sampling: SamplingParams | None = None
+    """None: the env's own sampling."""
+    reward_weights: Mapping[str, float] = field(default_factory=dict)
+    """Overrides of the env's reward weights."""
+    max_turns: int | None = None
+    verifier_timeout_s: float | None = None
+    max_buffered_tokens: int = 2**62
     """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
     max_total_tokens: int | None = None
     """Cap on a rollout's length (the batcher's row length): turns are cut to fit."""

@@ -26,16 +26,7 @@ def test_opd_with_a_teacher_equal_to_the_student_gives_zero_kl_and_zero_gradient
     algorithm = OpdConfig(teacher_server=TeacherConfig(base_url=teacher.base_url))
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="distill")
     buffer = ReplayBuffer("distill", ReplayBufferConfig(min_group_size=1), algorithm=algorithm)
-    spec = WorkerSpec.for_algorithm(
-        algorithm,
-        replicas=2,
-        group_size=2,
-        sampling=None,
-        reward_weights={},
-        max_turns=None,
-        verifier_timeout_s=None,
-        max_buffered_tokens=10**9,
-    )
+    spec = WorkerSpec.for_algorithm(algorithm, replicas=2, group_size=2)
     endpoint = Endpoint(student.base_url, server_config.model_name, "embedded", request_timeout_s=120)
     workers = EnvWorkers({"distill": env}, {"distill": spec}, {"distill": buffer}, [endpoint]).start()
     try:

@@ -36,15 +36,7 @@ def test_workers_report_errors_while_the_server_is_down_and_resume_when_it_is_ba
     server = PolicyServer(config, model, tokenizer).start()
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
     buffer = ReplayBuffer("addition", ReplayBufferConfig(min_group_size=1))
-    spec = WorkerSpec(
-        replicas=2,
-        group_size=2,
-        sampling=None,
-        reward_weights={},
-        max_turns=None,
-        verifier_timeout_s=None,
-        max_buffered_tokens=10**9,
-    )
+    spec = WorkerSpec(replicas=2, group_size=2)
     endpoint = Endpoint(server.base_url, config.model_name, "embedded", request_timeout_s=60)
     workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [endpoint], max_backoff_s=0.5)
     workers.start()
