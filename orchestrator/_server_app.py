@@ -157,11 +157,6 @@ class _Handler:
             ) from None
         except concurrent.futures.CancelledError:
             raise ApiError(503, "the inference server is shutting down") from None
-        except Exception as e:  # noqa: BLE001 - an engine failure is a 500 for this request only
-            # Raised as an ApiError, not left to the catch-all handler: Starlette re-raises from that
-            # one after answering, and uvicorn then resets the connection before the client reads it.
-            logger.exception("generation failed")
-            raise ApiError(500, f"{type(e).__name__}: {e}") from None
         finally:
             for f in futures:
                 f.cancel()  # no-op when done; drops queued jobs of a timed-out request
@@ -269,10 +264,16 @@ def build_app(
     async def _http_error(_: Request, e: StarletteHTTPException):
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):
-        logger.exception("inference request failed")
-        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
+    @app.middleware("http")
+    async def _internal_error(request: Request, call_next):
+        # A failure (e.g. in the engine) is a 500 for that request only. Not an exception_handler for
+        # Exception: Starlette re-raises from that one after answering, and uvicorn then resets the
+        # connection before the client has read the 500.
+        try:
+            return await call_next(request)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("inference request failed")
+            return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
 
     @app.get("/health")
     async def health():
