@@ -9,7 +9,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from fastapi import FastAPI, Header, Request
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marin_rl.orchestrator._server_config import InferenceServerConfig
-from marin_rl.orchestrator._server_engine import EngineWorker, GenerationJob, JobResult, PromptScores
+from marin_rl.engine import GenerationJob, JobResult, PromptScores
 from marin_rl.orchestrator._server_protocol import (
     ApiError,
     ChatChoice,
@@ -40,6 +40,9 @@ from marin_rl.orchestrator._server_protocol import (
     token_string,
     truncate_at_stop,
 )
+
+if TYPE_CHECKING:
+    from marin_rl.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +70,10 @@ class _Choice:
 class _Handler:
     """Turns validated requests into engine jobs and engine results into responses."""
 
-    def __init__(self, config: InferenceServerConfig, tokenizer, worker: EngineWorker, vocab_size: int):
+    def __init__(self, config: InferenceServerConfig, tokenizer, engine: Engine, vocab_size: int):
         self.config = config
         self.tokenizer = tokenizer
-        self.worker = worker
+        self.engine = engine
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(config.seed)
 
@@ -115,7 +118,19 @@ class _Handler:
                     "Please reduce the length of the prompt or of max_tokens.",
                     param="max_tokens",
                 )
-            jobs.append(GenerationJob(prompt, request.n, budget, request.temperature, seed, stop_sequences, k))
+            jobs.append(
+                GenerationJob(
+                    prompt,
+                    request.n,
+                    budget,
+                    request.temperature,
+                    seed,
+                    stop_sequences,
+                    top_p=request.top_p if request.top_p is not None else 1.0,
+                    top_k=max(request.top_k or 0, 0),
+                    prompt_logprobs=k,
+                )
+            )
         return jobs
 
     def _stop_sequences(self, request) -> list[list[int]]:
@@ -126,7 +141,6 @@ class _Handler:
         for t in ids:
             if not 0 <= t < self.vocab_size:
                 raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}", param="stop_token_ids")
-        # Upstream: with no stop token, Levanter's engine does not end a sequence at a sampled EOS.
         eos = self.tokenizer.eos_token_id
         if not request.ignore_eos and eos is not None and eos not in ids:
             ids.insert(0, eos)
@@ -144,7 +158,7 @@ class _Handler:
         return sequences
 
     async def run(self, jobs: list[GenerationJob]) -> list[JobResult]:
-        futures = [self.worker.submit(job) for job in jobs]
+        futures = [self.engine.submit(job) for job in jobs]
         try:
             return await asyncio.wait_for(
                 asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.config.request_timeout_s
@@ -241,13 +255,13 @@ def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]
 def build_app(
     config: InferenceServerConfig,
     tokenizer,
-    worker: EngineWorker,
+    engine: Engine,
     vocab_size: int,
     weight_updates: WeightUpdates | None = None,
 ) -> FastAPI:
     """The FastAPI app; /v1/weights/update is mounted only when `weight_updates` is given."""
     app = FastAPI(title="marin-rl inference server")
-    handler = _Handler(config, tokenizer, worker, vocab_size)
+    handler = _Handler(config, tokenizer, engine, vocab_size)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -277,7 +291,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": worker.policy_version}
+        return {"status": "ok", "policy_version": engine.policy_version}
 
     @app.get("/v1/models")
     async def models():
@@ -357,14 +371,14 @@ def build_app(
 
     @app.get("/v1/weights/version", response_model=WeightVersionResponse)
     async def weights_version() -> WeightVersionResponse:
-        return WeightVersionResponse(policy_version=worker.policy_version)
+        return WeightVersionResponse(policy_version=engine.policy_version)
 
     if weight_updates is not None:
-        _mount_weight_update(app, worker, weight_updates)
+        _mount_weight_update(app, engine, weight_updates)
     return app
 
 
-def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpdates) -> None:
+def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates) -> None:
     lock = asyncio.Lock()
 
     @app.post("/v1/weights/update", response_model=WeightVersionResponse)
@@ -375,9 +389,9 @@ def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpda
         if not secrets.compare_digest(token.encode(), updates.token.encode()):
             raise ApiError(403, "wrong weight-update token")
         async with lock:  # one update at a time, in order
-            if body.policy_version < worker.policy_version:
+            if body.policy_version < engine.policy_version:
                 raise ApiError(
-                    409, f"policy_version {body.policy_version} is older than the served {worker.policy_version}", param="policy_version"
+                    409, f"policy_version {body.policy_version} is older than the served {engine.policy_version}", param="policy_version"
                 )
             if not os.path.isdir(body.path):
                 raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
@@ -392,5 +406,5 @@ def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpda
             except ValueError as e:
                 raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
         logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
-        return WeightVersionResponse(policy_version=worker.policy_version, load_seconds=load_seconds, swap_seconds=swap.total_seconds)
+        return WeightVersionResponse(policy_version=engine.policy_version, load_seconds=load_seconds, swap_seconds=swap.total_seconds)
 
