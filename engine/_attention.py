@@ -33,12 +33,13 @@ class AttentionKernels:
 
     def table_width(self, pages_per_seq: int) -> int:
         """Width of the block tables: the Pallas kernel splits them into `k_splits` equal partitions,
-        each a whole number of compute blocks. Extra entries point at the scratch page, past the length."""
+        each a whole number of compute blocks of a power-of-two number of pages (Triton's block shapes
+        are powers of two). Extra entries point at the scratch page, past every length."""
         if self.decode != "pallas":
             return pages_per_seq
         per_split = -(-pages_per_seq // self.k_splits)
-        if per_split > self.pages_per_compute_block:
-            per_split = -(-per_split // self.pages_per_compute_block) * self.pages_per_compute_block
+        block = self.pages_per_compute_block
+        per_split = 1 << (per_split - 1).bit_length() if per_split <= block else -(-per_split // block) * block
         return per_split * self.k_splits
 
 

@@ -28,6 +28,10 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     """Prompt tokens (padded) prefilled in one device call; None means `max(max_seq_len, 4096)`.
     Larger values admit more new prompts at once."""
+    precompile_prompt_lens: tuple[int, ...] = ()
+    """At start, compile prefill for every number of prompts of these lengths (their power-of-two
+    buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
+    waits on a compilation. Empty: each shape compiles on first use."""
     decode_steps: int = 16
     """Decode steps per device call before the host collects finished sequences and admits new ones."""
     compute_dtype: str | None = None
@@ -65,6 +69,10 @@ class EngineConfig:
             )
         if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
             raise ValueError(f"{type(self).__name__}.compute_dtype must be one of {_DTYPES} or None, got {self.compute_dtype!r}")
+        if any(not 0 < n < self.max_seq_len for n in self.precompile_prompt_lens):
+            raise ValueError(
+                f"{type(self).__name__}.precompile_prompt_lens must be in [1, max_seq_len), got {self.precompile_prompt_lens}"
+            )
         if self.batch_wait_s < 0:
             raise ValueError(f"{type(self).__name__}.batch_wait_s must be >= 0, got {self.batch_wait_s}")
         if self.attention not in _ATTENTION:

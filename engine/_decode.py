@@ -119,13 +119,16 @@ def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, ba
     return cache, jax.tree.map(merge, new, state), tokens, logprobs, finished
 
 
-def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kernels: AttentionKernels, steps: int):
-    """`steps` decode steps for every slot (idle ones compute but write only to the scratch page).
+def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kernels: AttentionKernels, steps: int, slots_used: int):
+    """`steps` decode steps for the first `slots_used` slots (idle ones among them compute but write
+    only to the scratch page; the host fills slots from the lowest index, so few requests cost little).
 
-    Returns `(cache, state, tokens [slots, steps], logprobs [slots, steps])`; a slot's token is -1 at
-    the steps it was not active."""
+    Returns `(cache, state, tokens [slots_used, steps], logprobs [slots_used, steps])`; a slot's token
+    is -1 at the steps it was not active."""
+    full_state = state
+    state = jax.tree.map(lambda x: x[:slots_used], full_state)
     page_size = cache.keys[0].shape[2]
-    slots = jnp.arange(state.tokens.shape[0])
+    slots = jnp.arange(slots_used)
 
     def step(carry, _):
         cache, s = carry
@@ -146,6 +149,7 @@ def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kern
         return (cache, s), (emitted, logprobs)
 
     (cache, state), (tokens, logprobs) = jax.lax.scan(step, (cache, state), None, length=steps)
+    state = jax.tree.map(lambda full, used: full.at[:slots_used].set(used), full_state, state)
     return cache, state, tokens.T, logprobs.T
 
 

@@ -31,6 +31,8 @@ from marin_rl.engine._weights import ServingWeights, check_same_architecture, se
 
 logger = logging.getLogger(__name__)
 
+MIN_DECODE_SLOTS = 8
+
 
 @dataclass
 class EngineStats:
@@ -86,6 +88,8 @@ class Engine:
         self._deactivate = eqx.filter_jit(deactivate, donate="all")
         self._score = eqx.filter_jit(score_prompt)
         self._reset_device_state()
+        if config.precompile_prompt_lens:
+            self._precompile(config.precompile_prompt_lens)
         self._policy_version = policy_version
         self.stats = EngineStats(pages_total=self.pages.capacity)
         self._inbox: collections.deque[GenerationJob] = collections.deque()
@@ -110,6 +114,29 @@ class Engine:
             self._state = SlotState.empty(self.config.max_seqs, self.table_width, self.config.max_stop_sequences, self.config.max_stop_tokens)
         self.pages = PageAllocator(self.cache_spec.num_pages)
         self.scheduler = Scheduler(self.config, self.pages, self.table_width)
+
+    def _precompile(self, prompt_lens) -> None:
+        """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""
+        start = time.perf_counter()
+        config, shapes = self.config, 0
+        for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
+            rows = 1
+            while rows <= bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
+                batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in self.scheduler.empty_batch(rows, time_bucket).items()})
+                with self._lock:
+                    self._cache, self._state, *_ = self._prefill(self._weights, self._cache, self._state, batch, self.kernels)
+                rows, shapes = 2 * rows, shapes + 1
+        slots = MIN_DECODE_SLOTS
+        while True:
+            slots_used = min(slots, config.max_seqs)
+            with self._lock:
+                self._cache, self._state, *_ = self._decode(self._weights, self._cache, self._state, self.kernels, config.decode_steps, slots_used)
+            shapes += 1
+            if slots_used == config.max_seqs:
+                break
+            slots *= 2
+        jax.block_until_ready(self._state)
+        logger.info("engine: compiled %d shapes in %.1fs", shapes, time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------------- API
 
@@ -150,6 +177,7 @@ class Engine:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("the inference engine is shut down")
+            job.submitted_at = time.perf_counter()
             self._inbox.append(job)
             self.stats.requests += 1
             self._cv.notify()
@@ -243,12 +271,16 @@ class Engine:
             self.stats.generated_tokens += len(admission.new_slots)
             self._complete(scheduler.record_first(admission, tokens, logprobs, finished))
         if scheduler.num_active:
-            # No more steps than any active sample may still need (a power of two: few compiles).
+            # Powers of two (few compiles): no more steps than any active sample may still need, and
+            # only the slots up to the highest one in use.
             steps = min(self.config.decode_steps, bucket(scheduler.remaining_tokens()))
+            slots_used = min(self.config.max_seqs, bucket(scheduler.highest_slot() + 1, MIN_DECODE_SLOTS))
             start = time.perf_counter()
             with self._lock:
-                self._cache, self._state, tokens, logprobs = self._decode(self._weights, self._cache, self._state, self.kernels, steps)
-                tokens, logprobs, active = jax.device_get((tokens, logprobs, self._state.active))
+                self._cache, self._state, tokens, logprobs = self._decode(
+                    self._weights, self._cache, self._state, self.kernels, steps, slots_used
+                )
+                tokens, logprobs, active = jax.device_get((tokens, logprobs, self._state.active[:slots_used]))
             self.stats.decode_seconds += time.perf_counter() - start
             self.stats.decode_calls += 1
             self.stats.decode_steps += steps

@@ -28,6 +28,10 @@ class GenerationJob:
     prompt_logprobs: int | None = None
     """Score the prompt and keep this many top alternatives per position; None skips the forward pass."""
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    submitted_at: float | None = None
+    """`time.perf_counter()` when the engine queued it."""
+    first_token_at: float | None = None
+    """`time.perf_counter()` when its first tokens were drawn (time to first token = the difference)."""
 
 
 @dataclass(frozen=True)

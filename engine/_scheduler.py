@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +86,10 @@ class Scheduler:
         # The last sampled token is never written to the cache: positions up to prompt + max_tokens - 2.
         return shared, -(-(prompt + job.max_tokens - 1) // size) - shared
 
+    def highest_slot(self) -> int:
+        """The highest slot index in use (-1 when none)."""
+        return max((i for i, s in enumerate(self.slots) if s is not None), default=-1)
+
     def remaining_tokens(self) -> int:
         """The most tokens any active sample may still produce."""
         most = 0
@@ -124,11 +129,10 @@ class Scheduler:
             return None
         return self._build(chosen, free_slots, policy_version, score)
 
-    def _build(self, chosen: list[GenerationJob], free_slots: list[int], policy_version: int, score) -> Admission:
-        config, size, width = self.config, self.config.page_size, self.table_width
-        slots, num_pages = config.max_seqs, self.pages.num_pages
-        rows, time = bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
-        a = {
+    def empty_batch(self, rows: int, time: int) -> dict[str, np.ndarray]:
+        """The arrays of a `PrefillBatch` that changes nothing: no prompt token written, no slot new."""
+        config, slots, num_pages = self.config, self.config.max_seqs, self.pages.num_pages
+        return {
             "token_ids": np.zeros((rows, time), np.int32),
             "lengths": np.zeros(rows, np.int32),
             "write_pages": np.full((rows, time), num_pages, np.int32),
@@ -136,7 +140,7 @@ class Scheduler:
             "copy_dst": np.full(slots, num_pages, np.int32),
             "is_new": np.zeros(slots, bool),
             "prompt_row": np.zeros(slots, np.int32),
-            "block_tables": np.full((slots, width), SCRATCH_PAGE, np.int32),
+            "block_tables": np.full((slots, self.table_width), SCRATCH_PAGE, np.int32),
             "seed_keys": np.zeros((slots, 2), np.uint32),
             "sample_index": np.zeros(slots, np.int32),
             "temperature": np.ones(slots, np.float32),
@@ -145,6 +149,11 @@ class Scheduler:
             "end_position": np.zeros(slots, np.int32),
             "stops": np.full((slots, config.max_stop_sequences, config.max_stop_tokens), STOP_PAD, np.int32),
         }
+
+    def _build(self, chosen: list[GenerationJob], free_slots: list[int], policy_version: int, score) -> Admission:
+        config, size = self.config, self.config.page_size
+        rows, time = bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
+        a = self.empty_batch(rows, time)
         admitted, new_slots, copies = [], [], 0
         slot_iter = iter(free_slots)
         for row, job in enumerate(chosen):
@@ -189,6 +198,9 @@ class Scheduler:
 
     def record_first(self, admission: Admission, tokens: np.ndarray, logprobs: np.ndarray, finished: np.ndarray) -> list[RunningJob]:
         """The first token of each new sample; returns the jobs that completed."""
+        now = time.perf_counter()
+        for running in admission.jobs:
+            running.job.first_token_at = now
         done = []
         for slot in admission.new_slots:
             running, i = self.slots[slot]
@@ -199,9 +211,10 @@ class Scheduler:
         return done
 
     def record_chunk(self, tokens: np.ndarray, logprobs: np.ndarray, active: np.ndarray) -> list[RunningJob]:
-        """A decode chunk's tokens `[slots, steps]` (-1 where inactive) and which slots are still active."""
+        """A decode chunk's tokens `[slots_used, steps]` (-1 where inactive) and which of those slots are
+        still active (slots past `slots_used` are all free)."""
         done = []
-        for slot, entry in enumerate(self.slots):
+        for slot, entry in enumerate(self.slots[: len(active)]):
             if entry is None:
                 continue
             running, i = entry
