@@ -3,7 +3,7 @@
 Trains a randomly initialised Llama-shaped model on the toy task with long completions, so that
 generation and training both do real work, and prints:
 - generated tokens/s of the embedded server (over the whole run),
-- learner tokens/s (packed tokens per second of optimizer step),
+- learner tokens/s (packed tokens per second of optimizer step) and its MFU (6N FLOPs per token),
 - weight-swap seconds (colocated broadcast, in place),
 - the share of wall time the learner waits for data.
 
@@ -31,7 +31,7 @@ SIZES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--steps", type=int, default=4, help="learner steps; the first (compile) is excluded")
+    parser.add_argument("--steps", type=int, default=4, help="learner steps (the first --warmup-steps are left out of the figures)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per completion")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--replicas", type=int, default=16, help="env workers (concurrent groups)")
@@ -41,11 +41,13 @@ def main() -> None:
     parser.add_argument("--attn-backend", default="default", help="learner attention (cudnn on GPU)")
     parser.add_argument("--server-dtype", default=None, help="server compute dtype (bfloat16 on GPU)")
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 dense bf16)")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures (compilation)")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the figures of an earlier run dir")
     args = parser.parse_args()
 
     if args.summarize:
-        summarize(args.summarize, args.size, wall=None)
+        summarize(args.summarize, args, wall=None)
         return
     from marin_rl.config import load_config
     from marin_rl.orchestrator import train
@@ -83,15 +85,16 @@ def main() -> None:
     config = load_config("configs/quickstart.yaml", overrides)
     started = time.perf_counter()
     train(config)
-    summarize(run_dir, args.size, wall=time.perf_counter() - started)
+    summarize(run_dir, args, wall=time.perf_counter() - started)
 
 
-def summarize(run_dir: Path, size: str, wall: float | None) -> None:
+def summarize(run_dir: Path, args, wall: float | None) -> None:
     """The figures, from the run's metrics.jsonl (so a run cut short can still be read)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steady = records[1:] or records  # the first step includes compilation
+    steady = records[args.warmup_steps :] or records  # the first steps include compilation
     generated = sum(r["replays/addition/new_generated_tokens"] for r in steady)
     steady_wall = sum(r["time/step_s"] for r in steady)
+    size = args.size
     hidden, _, layers, _, _ = SIZES[size]
     total = f", run wall {wall:.0f}s incl. startup" if wall is not None else ""
     print(f"model: {size} ({hidden} hidden, {layers} layers), {len(records)} steps{total}")
@@ -99,10 +102,12 @@ def summarize(run_dir: Path, size: str, wall: float | None) -> None:
     print(f"step seconds (steady): {step_seconds}")
     print(f"generated tokens/s (server, steady steps): {generated / steady_wall:,.0f}")
     print(f"learner tokens/s (packed tokens / step time): {np.median([r['learner/tokens_per_s'] for r in steady]):,.0f}")
+    tflops = np.median([r["learner/model_tflops_per_s"] for r in steady])
+    print(f"learner MFU (6N, peak {args.peak_tflops:.0f} TFLOP/s): {tflops / args.peak_tflops:.1%} ({tflops:.0f} TFLOP/s)")
     swap = {part: np.median([r[f"broadcast/swap_{part}seconds"] for r in steady]) for part in ("", "copy_", "wait_")}
     print(
         f"weight swap seconds (colocated, in place): {swap['']:.3f} = copy {swap['copy_']:.3f} "
-        f"+ wait for the server's batch in flight {swap['wait_']:.3f}"
+        f"+ install {swap['wait_']:.3f}"
     )
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")

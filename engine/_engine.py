@@ -63,7 +63,7 @@ class Engine:
     (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
     """
 
-    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.Lock | None = None):
+    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.RLock | None = None):
         self.config = config
         self._lock = device_lock or contextlib.nullcontext()
         with self._lock:
@@ -243,9 +243,9 @@ class Engine:
         with self._cv:
             pending = list(self._inbox) + list(self.scheduler.queue)
             swaps = list(self._swaps)
-        for job in pending:
+        for job in pending:  # their requests answer 503 (shutting down)
             job.future.cancel()
-        self.scheduler.fail_all(RuntimeError("the inference engine shut down"))
+        self.scheduler.fail_all(None)
         for _, _, installed in swaps:
             installed.set()
 

@@ -246,12 +246,15 @@ class Scheduler:
                 freed.append(slot)
         return freed
 
-    def fail_all(self, error: BaseException) -> None:
-        """Answer every running job with `error` and free everything they held."""
+    def fail_all(self, error: BaseException | None) -> None:
+        """Answer every running job with `error` (None: cancel them) and free everything they held."""
         for running in list(self.running):
             for slot in [s for s in running.slots if s is not None]:
                 self._finish(slot)
-            complete(running.job.future, error=error)
+            if error is None:
+                running.job.future.cancel()
+            else:
+                complete(running.job.future, error=error)
 
 
 def complete(future: concurrent.futures.Future, result: JobResult | None = None, error: BaseException | None = None) -> None:

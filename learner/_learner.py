@@ -73,6 +73,10 @@ class Learner:
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
+        # N of the 6N FLOPs-per-token count: every parameter in a matmul (the input embedding lookup is not one).
+        params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+        lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
+        self.matmul_params = params - lookup
 
     # --- training -------------------------------------------------------------------------------------
 
@@ -92,6 +96,7 @@ class Learner:
             raise FloatingPointError(f"learner step {self.policy_version}: loss is {metrics['loss']}")
         metrics["step_time_s"] = elapsed
         metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
+        metrics["model_tflops_per_s"] = 6 * self.matmul_params * metrics["tokens_per_s"] / 1e12
         return metrics
 
     def _check_example(self, example: RlExample) -> None:

@@ -61,7 +61,7 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
-        device_lock: threading.Lock | None = None,
+        device_lock: threading.RLock | None = None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import ConfigError, RunDirError
+from marin_rl.errors import RunDirError
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
 
@@ -50,13 +50,6 @@ def prepare_run_dir(config: TrainConfig, resume: bool) -> Path:
 def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None) -> TrainResult:
     """Train until `config.max_steps` or until `stop` is set; always flushes rollouts and checkpoints."""
     stop = stop or threading.Event()
-    if config.model.attn_backend == "cudnn":
-        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
-        # capture fails when the colocated server launches kernels from its thread meanwhile.
-        raise ConfigError(
-            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
-            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
-        )
     run_dir = prepare_run_dir(config, resume)
 
     # Heavy imports after the config is known to be good.
@@ -74,7 +67,14 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     if resume:
         learner.restore_latest()
         logger.info("resuming at policy version %d", learner.policy_version)
-    server = PolicyServer(config.server, learner.model, tokenizer, policy_version=learner.policy_version).start()
+    # The learner and the embedded engine share the device and take turns on it: the engine holds this
+    # lock around each device call, the loop around each learn/broadcast/save phase. Overlapping kernels
+    # gain little on one device, and cuDNN attention's CUDA-graph capture fails if another thread
+    # launches work meanwhile (seen on an H200, jax 0.11.2).
+    device_lock = threading.RLock()  # re-entrant: the broadcast's swap takes it inside the loop's phase
+    server = PolicyServer(
+        config.server, learner.model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock
+    ).start()
     broadcaster = config.broadcaster.build(colocated=server, tokenizer=tokenizer, run_dir=str(run_dir))
     if resume and len(broadcaster.transports) > 1:
         broadcaster.maybe_broadcast(learner.model, learner.policy_version)  # remote servers start from the checkpoint
@@ -140,13 +140,16 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                     break
                 t1 = time.perf_counter()
 
-                # --- learn: one optimizer step makes policy version step + 1
-                learner_metrics = learner.step(batch.to_example())
-                step = learner.policy_version
-                t2 = time.perf_counter()
+                with device_lock:
+                    t1 = time.perf_counter()  # the engine's device call in flight ends first
 
-                # --- broadcast: the servers sample from the new policy from their next batch on
-                broadcast_metrics = broadcaster.maybe_broadcast(learner.model, step)
+                    # --- learn: one optimizer step makes policy version step + 1
+                    learner_metrics = learner.step(batch.to_example())
+                    step = learner.policy_version
+                    t2 = time.perf_counter()
+
+                    # --- broadcast: the servers sample from the new policy from their next batch on
+                    broadcast_metrics = broadcaster.maybe_broadcast(learner.model, step)
                 t3 = time.perf_counter()
 
                 # --- log
@@ -180,10 +183,11 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                 progress.update(step, metrics)
 
                 # --- persist
-                if step % config.checkpoint_every == 0:
-                    learner.save_checkpoint()
-                if config.export_hf_every and step % config.export_hf_every == 0:
-                    learner.export_hf()
+                with device_lock:
+                    if step % config.checkpoint_every == 0:
+                        learner.save_checkpoint()
+                    if config.export_hf_every and step % config.export_hf_every == 0:
+                        learner.export_hf()
                 if stop.is_set():
                     stopped_early = step < config.max_steps
                     break

@@ -1,0 +1,195 @@
+"""The engine end to end on CPU: exact greedy decodes and log-probs for the three families, seeds,
+stops, continuous batching under a mixed load with a weight swap, and the KV-cache invariant."""
+
+import threading
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marin_rl.engine import Engine, EngineConfig, GenerationJob
+from marin_rl.learner import ModelConfig, build_model, sequence_logprobs
+from marin_rl.rl_example import BATCH_AXIS, POS_AXIS
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN = 96
+VOCAB = 101
+CONFIG = EngineConfig(max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0)
+
+
+def tiny(family: str, seed: int = 0, intermediate: int = 64):
+    config = ModelConfig(
+        family=family, hidden_dim=32, intermediate_dim=intermediate, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seq_len=SEQ_LEN
+    )
+    return build_model(config, VOCAB, key=jax.random.PRNGKey(seed))
+
+
+@eqx.filter_jit
+def _learner_logprobs(model, ids):
+    """The learner's per-token log-probs of one sequence (index t: log p(ids[t] | ids[:t]))."""
+    names = (BATCH_AXIS, POS_AXIS)
+    ids = hax.named(ids[None], names)
+    positions = hax.named(jnp.arange(ids.array.shape[1])[None], names)
+    logp, _ = sequence_logprobs(model, ids, positions, hax.named(jnp.zeros_like(ids.array), names))
+    return logp.array[0]
+
+
+def learner_logprobs(model, ids: list[int]) -> np.ndarray:
+    padded = np.zeros(SEQ_LEN, np.int32)  # causal: the padding after the sequence changes nothing before it
+    padded[: len(ids)] = ids
+    return np.asarray(_learner_logprobs(model, jnp.asarray(padded)))[: len(ids)]
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """A slow greedy decode: the whole sequence through the Levanter model at every step."""
+    from levanter.layers.attention import AttentionMask
+
+    ids = list(prompt)
+
+    @eqx.filter_jit
+    def logits(model, tokens):
+        return model(hax.named(tokens, "position"), AttentionMask.causal()).array
+
+    for _ in range(max_tokens):
+        padded = np.zeros(SEQ_LEN, np.int32)
+        padded[: len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(logits(model, jnp.asarray(padded)))[len(ids) - 1])))
+    return ids[len(prompt) :]
+
+
+def job(prompt, n=1, max_tokens=8, temperature=1.0, seed=0, stops=(), **kw):
+    return GenerationJob(list(prompt), n, max_tokens, temperature, seed, [list(s) for s in stops], **kw)
+
+
+def run(engine, jobs):
+    for j in jobs:
+        engine.submit(j)
+    return [j.future.result(timeout=300) for j in jobs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_engine(request):
+    model = tiny(request.param)
+    engine = Engine(CONFIG, model)
+    yield request.param, model, engine
+    engine.stop()
+
+
+def test_greedy_equals_a_slow_reference_decode(family_engine):
+    _, model, engine = family_engine
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, length).tolist() for length in (1, 7, 8, 9, 30)]  # within and across pages
+    results = run(engine, [job(p, n=2, max_tokens=12, temperature=0.0) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        expected = greedy_reference(model, prompt, 12)
+        assert [s.token_ids for s in result.samples] == [expected, expected]
+    assert engine.stats.errors == 0 and engine.stats.pages_in_use == 0
+
+
+def test_sampled_logprobs_equal_the_learners(family_engine):
+    _, model, engine = family_engine
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, length).tolist() for length in (5, 17)]
+    results = run(engine, [job(p, n=4, max_tokens=20, seed=3) for p in prompts])
+    worst = 0.0
+    for prompt, result in zip(prompts, results):
+        for sample in result.samples:
+            expected = learner_logprobs(model, prompt + sample.token_ids)[len(prompt) :]
+            worst = max(worst, float(np.max(np.abs(expected - np.asarray(sample.logprobs)))))
+    assert worst <= 1e-4  # so the importance ratio starts at 1
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(family_engine):
+    _, _, engine = family_engine
+    prompt = list(range(3, 14))
+    (alone,) = run(engine, [job(prompt, n=3, max_tokens=10, seed=99)])
+    crowd = run(engine, [job(list(range(20, 20 + k)), n=1, max_tokens=10, seed=k) for k in range(1, 6)] + [job(prompt, n=3, max_tokens=10, seed=99)])
+    assert [s.token_ids for s in crowd[-1].samples] == [s.token_ids for s in alone.samples]
+    assert len({tuple(s.token_ids) for s in alone.samples}) == 3  # the samples of one request differ
+
+
+def test_stop_sequences_and_max_tokens_end_completions(family_engine):
+    _, model, engine = family_engine
+    prompt = [5, 6, 7]
+    greedy = greedy_reference(model, prompt, 12)
+    cut = next(k for k in range(2, 12) if greedy[k - 2 : k] not in [greedy[j : j + 2] for j in range(k - 2)])
+    (stopped,) = run(engine, [job(prompt, max_tokens=12, temperature=0.0, stops=[greedy[cut - 2 : cut]])])
+    assert stopped.samples[0].token_ids == greedy[:cut]  # ends with the stop sequence, nothing after
+    (single,) = run(engine, [job(prompt, n=3, max_tokens=1)])
+    assert [len(s.token_ids) for s in single.samples] == [1, 1, 1]
+
+
+def test_mixed_load_with_a_weight_swap_finishes_everything_and_frees_every_page():
+    """500 requests: prompts across several pages, n from 1 to 16, multi-turn continuations, a swap."""
+    model_a, model_b = tiny("llama", 0), tiny("llama", 1)
+    engine = Engine(EngineConfig(max_seqs=16, max_seq_len=SEQ_LEN, page_size=8, decode_steps=8, kv_cache_tokens=700), model_a)
+    rng = np.random.default_rng(5)
+    jobs, conversations = [], []
+    for i in range(500):
+        if conversations and rng.random() < 0.3:  # a later turn: the earlier turn, its answer, a new message
+            prompt, answer = conversations[rng.integers(len(conversations))]
+            prompt = (prompt + answer + rng.integers(0, VOCAB, 3).tolist())[: SEQ_LEN - 20]
+        else:
+            prompt = rng.integers(0, VOCAB, rng.integers(1, 40)).tolist()
+        n = int(rng.choice([1, 2, 4, 8, 16]))
+        max_tokens = int(rng.integers(1, SEQ_LEN - len(prompt)))
+        candidate = job(prompt, n=n, max_tokens=max_tokens, seed=i, stops=[[int(rng.integers(VOCAB))]])
+        shared, own = engine.scheduler.pages_needed(candidate)
+        while shared + candidate.n * own > engine.pages.capacity:  # the cache is small on purpose: pages run out
+            candidate.n //= 2
+        jobs.append(candidate)
+    swapped, abort = threading.Event(), threading.Event()
+
+    def swap_when_half_done():
+        while sum(j.future.done() for j in jobs) < 250:
+            if abort.wait(0.05):
+                return
+        engine.swap(model_b, policy_version=1)
+        swapped.set()
+
+    swapper = threading.Thread(target=swap_when_half_done, daemon=True)
+    swapper.start()
+    assert sum(j.n for j in jobs) > 1000
+    try:
+        for j in jobs:
+            engine.submit(j)
+            if rng.random() < 0.1:
+                conversations.append((j.prompt_ids, j.future.result(timeout=300).samples[0].token_ids))
+        results = [j.future.result(timeout=600) for j in jobs]
+    finally:
+        abort.set()
+        swapper.join()
+        engine.stop()
+    assert swapped.is_set()
+    for j, r in zip(jobs, results):
+        assert len(r.samples) == j.n
+        for s in r.samples:
+            assert 1 <= len(s.token_ids) <= j.max_tokens and len(s.logprobs) == len(s.token_ids)
+            ended_by_stop = s.token_ids[-1] == j.stop_sequences[0][0]
+            assert ended_by_stop or len(s.token_ids) == j.max_tokens
+            assert j.stop_sequences[0][0] not in s.token_ids[:-1]
+    assert {r.policy_version for r in results} == {0, 1}
+    stats = engine.stats
+    assert stats.completed == 500 and stats.errors == 0
+    assert stats.pages_in_use == 0 and engine.pages.num_free == engine.pages.capacity
+
+
+def test_a_cache_that_cannot_hold_one_sequence_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"holds 50 tokens, less than one max_seq_len=96"):
+        Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, kv_cache_tokens=50), tiny("llama"))
+
+
+def test_impossible_requests_are_refused_at_submit(family_engine):
+    _, _, engine = family_engine
+    for bad, match in [
+        (job([1] * 90, max_tokens=10), "exceeds max_seq_len"),
+        (job([1, 2], n=9), "max_seqs"),
+        (job([VOCAB]), "token ids"),
+        (job([]), "empty"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(bad)

@@ -1,0 +1,100 @@
+"""The page allocator and the scheduler's page accounting (host only, no JAX)."""
+
+import concurrent.futures
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from marin_rl.engine import EngineConfig, GenerationJob
+from marin_rl.engine._pages import SCRATCH_PAGE, OutOfPages, PageAllocator
+from marin_rl.engine._scheduler import Scheduler
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "release"]), st.integers(0, 5), st.integers(0, 99)), max_size=60))
+def test_allocator_keeps_its_counts_and_frees_everything_at_the_end(ops):
+    pages = PageAllocator(17)
+    held: list[list[int]] = []  # one entry per reference taken
+    for op, count, pick in ops:
+        if op == "alloc":
+            if count > pages.num_free:
+                with pytest.raises(OutOfPages):
+                    pages.allocate(count)
+                continue
+            got = pages.allocate(count)
+            assert SCRATCH_PAGE not in got and len(set(got)) == count
+            assert not {p for ref in held for p in ref} & set(got)  # never hands out a referenced page
+            held.append(got)
+        elif held and op == "share":
+            ref = held[pick % len(held)]
+            pages.share(ref)
+            held.append(list(ref))
+        elif held:
+            pages.release(held.pop(pick % len(held)))
+        assert pages.num_used == len({p for ref in held for p in ref})
+        assert pages.num_used + pages.num_free == pages.capacity == 16
+    for ref in held:
+        pages.release(ref)
+    pages.check_idle()
+
+
+def test_releasing_a_page_twice_is_caught():
+    pages = PageAllocator(4)
+    got = pages.allocate(2)
+    pages.release(got)
+    with pytest.raises(AssertionError):
+        pages.release(got)
+
+
+def job(prompt_len, n, max_tokens):
+    return GenerationJob(list(range(1, prompt_len + 1)), n, max_tokens, 1.0, 0, [])
+
+
+def test_samples_share_full_prompt_pages_and_own_the_partial_one():
+    config = EngineConfig(max_seqs=8, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(40), table_width=config.pages_per_seq)
+    scheduler.queue.append(job(prompt_len=10, n=3, max_tokens=7))  # 2 full prompt pages + a partial one
+    admission = scheduler.admit(policy_version=0, score=None)
+    (running,) = admission.jobs
+    # Positions 0..15 are written (the 17th token is sampled last, never cached): 4 pages per sample.
+    assert len(running.shared_pages) == 2 and [len(p) for p in running.own_pages] == [2, 2, 2]
+    assert scheduler.pages.num_used == 2 + 3 * 2
+    tables = admission.arrays["block_tables"][admission.new_slots]
+    assert all(list(t[:2]) == running.shared_pages for t in tables)
+    # The prompt is written once, through sample 0's pages; samples 1 and 2 get copies of its partial page.
+    assert list(admission.arrays["write_pages"][0, :10]) == [p for p in running.shared_pages + running.own_pages[0][:1] for _ in range(4)][:10]
+    copies = sorted(zip(admission.arrays["copy_src"][:2], admission.arrays["copy_dst"][:2]))
+    assert copies == sorted((running.own_pages[0][0], running.own_pages[i][0]) for i in (1, 2))
+    for slot in admission.new_slots:
+        scheduler._finish(slot)
+    scheduler.pages.check_idle()
+
+
+def test_a_job_that_does_not_fit_waits_at_the_head_of_the_queue():
+    config = EngineConfig(max_seqs=4, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(64), table_width=config.pages_per_seq)
+    scheduler.queue.extend([job(4, 3, 4), job(4, 2, 4), job(4, 1, 4)])
+    first = scheduler.admit(0, None)
+    assert [r.job.n for r in first.jobs] == [3]  # n=2 does not fit the one free slot; n=1 must not overtake it
+    assert [j.n for j in scheduler.queue] == [2, 1]
+    for slot in first.new_slots:
+        scheduler._finish(slot)
+    assert [r.job.n for r in scheduler.admit(0, None).jobs] == [2, 1]
+
+
+def test_cancelled_jobs_are_skipped_and_abandoned_ones_free_their_slots():
+    config = EngineConfig(max_seqs=4, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(64), table_width=config.pages_per_seq)
+    running_job, queued_job = job(6, 2, 4), job(6, 2, 4)
+    scheduler.queue.append(running_job)
+    scheduler.admit(0, None)
+    queued_job.future.cancel()
+    scheduler.queue.append(queued_job)
+    assert scheduler.admit(0, None) is None and not scheduler.queue
+    assert running_job.future.cancel()  # the request gave up (timeout)
+    assert sorted(scheduler.cancel_abandoned()) == [0, 1]
+    assert scheduler.idle and scheduler.num_active == 0
+    scheduler.pages.check_idle()
+    with pytest.raises(concurrent.futures.CancelledError):
+        running_job.future.result()
