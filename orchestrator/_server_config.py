@@ -52,6 +52,8 @@ class InferenceServerConfig:
     """Largest `prompt_logprobs` (top-k alternatives per prompt token) a request may ask for."""
     seed: int = 0
     """Seeds the sampling keys of requests that give no `seed`."""
+    max_request_bytes: int = 8 * 2**20
+    """Largest request body; a larger one gets HTTP 413 before it is read (so before any tokenizing)."""
     weight_update_token: str | None = None
     """Bearer token of POST /v1/weights/update (the `serve` process only). None reads the
     MARIN_RL_WEIGHT_TOKEN environment variable; with neither, the endpoint is not mounted."""
@@ -69,6 +71,8 @@ class InferenceServerConfig:
             raise ValueError(f"InferenceServerConfig.compute_dtype must be one of {_DTYPES} or None, got {self.compute_dtype!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"InferenceServerConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"InferenceServerConfig.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"InferenceServerConfig.port must be in [0, 65535], got {self.port}")
 

@@ -271,6 +271,8 @@ class WeightUpdateRequest(BaseModel):
     path: str
     """Local directory of an HF safetensors checkpoint with the serving architecture."""
     policy_version: int = Field(ge=0)
+    reset: bool = False
+    """Accept a version older than the served one: a resumed run rolls its servers back to its checkpoint."""
 
 
 class WeightVersionResponse(BaseModel):
