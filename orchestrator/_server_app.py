@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -267,6 +268,7 @@ def build_app(
     # the bytes read pass it (chunked).
     app = FastAPI(title="marin-rl inference server", max_body_size=config.max_request_bytes)
     handler = _Handler(config, tokenizer, worker, vocab_size)
+    instance = uuid.uuid4().hex
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -296,7 +298,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": worker.policy_version}
+        return {"status": "ok", "policy_version": worker.policy_version, "instance": instance}
 
     @app.get("/v1/models")
     async def models():
@@ -376,14 +378,14 @@ def build_app(
 
     @app.get("/v1/weights/version", response_model=WeightVersionResponse)
     async def weights_version() -> WeightVersionResponse:
-        return WeightVersionResponse(policy_version=worker.policy_version)
+        return WeightVersionResponse(policy_version=worker.policy_version, instance=instance)
 
     if weight_updates is not None:
-        _mount_weight_update(app, worker, weight_updates)
+        _mount_weight_update(app, worker, weight_updates, instance)
     return app
 
 
-def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpdates) -> None:
+def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpdates, instance: str) -> None:
     lock = asyncio.Lock()
 
     @app.post("/v1/weights/update", response_model=WeightVersionResponse)
@@ -413,5 +415,7 @@ def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpda
             except ValueError as e:
                 raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
         logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
-        return WeightVersionResponse(policy_version=worker.policy_version, load_seconds=load_seconds, swap_seconds=swap.total_seconds)
+        return WeightVersionResponse(
+            policy_version=worker.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
+        )
 

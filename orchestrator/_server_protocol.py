@@ -277,6 +277,8 @@ class WeightUpdateRequest(BaseModel):
 
 class WeightVersionResponse(BaseModel):
     policy_version: int
+    instance: str | None = None
+    """Random id of this server process: a restarted server has another (the broadcaster re-syncs it)."""
     load_seconds: float | None = None
     swap_seconds: float | None = None
 

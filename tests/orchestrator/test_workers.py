@@ -9,7 +9,8 @@ import pytest
 from marin_rl.envs import build_env
 from marin_rl.learner import ModelConfig, build_model
 from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
-from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
+from marin_rl.orchestrator._endpoints import Endpoint
+from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
 from marin_rl.replay import ReplayBuffer, ReplayBufferConfig
 from marin_rl.tokenizer import load_tokenizer
 
