@@ -1,6 +1,5 @@
 """Env workers keep sampling through server failures."""
 
-import socket
 import time
 
 import jax
@@ -12,13 +11,8 @@ from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
 from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
 from marin_rl.replay import ReplayBuffer, ReplayBufferConfig
+from marin_rl.testing import free_port
 from marin_rl.tokenizer import load_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(condition, timeout=120.0, what="condition"):
@@ -54,3 +48,51 @@ def test_workers_report_errors_while_the_server_is_down_and_resume_when_it_is_ba
     finally:
         workers.stop()
         server.shutdown()
+
+
+def run_workers_until_failure(env, endpoint_url, replicas=2):
+    """Free-running workers against `endpoint_url`; returns the failures reported and the buffer."""
+    failures = []
+    buffer = ReplayBuffer(env.name, ReplayBufferConfig(min_group_size=1))
+    spec = WorkerSpec(replicas=replicas, group_size=2, max_total_tokens=32)
+    workers = EnvWorkers({env.name: env}, {env.name: spec}, {env.name: buffer}, [Endpoint(endpoint_url, "policy", "embedded")], on_failure=failures.append)
+    workers.start()
+    try:
+        wait_until(lambda: failures, timeout=30, what="a permanent failure")
+        time.sleep(0.3)  # a retry, if any, would come within the first backoff
+    finally:
+        workers.stop()
+    return failures, buffer, workers
+
+
+def test_a_400_is_never_retried_and_stops_the_run(serve_asgi):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    requests = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def refuse():
+        requests.append(1)
+        return JSONResponse({"error": {"message": "max_tokens too large", "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
+
+    env = build_env("toy_addition", {}, tokenizer=load_tokenizer("char"), name="addition")
+    failures, buffer, workers = run_workers_until_failure(env, f"{serve_asgi(app)}/v1")
+    assert len(failures) == 1 and "env 'addition'" in str(failures[0]) and "400" in str(failures[0])
+    assert len(requests) == 2  # one per replica, none retried
+    assert buffer.size() == (0, 0)
+
+
+def test_a_missing_data_file_or_a_prompt_over_the_row_stops_the_run_without_a_request(tmp_path):
+    from marin_rl.errors import ProblemSourceError, PromptTooLong
+
+    tokenizer = load_tokenizer("char")
+    missing = build_env("exact_match", {"data": str(tmp_path / "nonexistent.jsonl")}, tokenizer=tokenizer, name="qa")
+    (tmp_path / "long.jsonl").write_text('{"prompt": "' + "x" * 100 + '", "answer": "y"}\n')
+    long = build_env("exact_match", {"data": str(tmp_path / "long.jsonl")}, tokenizer=tokenizer, name="qa")
+    unreachable = f"http://127.0.0.1:{free_port()}/v1"  # never contacted
+    for env, error in ((missing, ProblemSourceError), (long, PromptTooLong)):
+        failures, _, workers = run_workers_until_failure(env, unreachable)
+        assert len(failures) == 1 and isinstance(failures[0], error) and "env 'qa'" in str(failures[0])
+        assert workers.metrics()["workers/qa/errors"] <= 2  # each replica gave up at its first try
