@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-import logging
 import math
 import queue
 import threading
@@ -25,8 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 class EnvMetrics:
@@ -96,6 +93,8 @@ async def _run_one(
             value = await asyncio.wait_for(asyncio.wrap_future(call), timeout_s)
     except TimeoutError:
         metrics.increment("reward_timeouts")
+        if call is not None and call.cancelled():  # never started: every thread was busy
+            return 0.0, f"timed out after {timeout_s:g}s waiting for one of the {threads.size} verifier threads (hung calls hold them)"
         if call is not None:
             metrics.abandon(call)
         return 0.0, f"timed out after {timeout_s:g}s"
@@ -152,7 +151,6 @@ class VerifierThreads:
         self._threads = 0
         self._idle = 0  # threads waiting for a call
         self._queued = 0  # calls not yet taken by a thread
-        self._warned = False
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         call: concurrent.futures.Future = concurrent.futures.Future()
@@ -160,10 +158,6 @@ class VerifierThreads:
             self._queued += 1
             start = self._queued > self._idle and self._threads < self.size
             self._threads += start
-            saturated = self._queued > self._idle and not start
-        if saturated and not self._warned:
-            self._warned = True
-            logger.warning("%s: all %d verifier threads are busy (hung reward functions?); calls wait", self.name, self.size)
         self._calls.put((call, fn))
         if start:
             threading.Thread(target=self._serve, name=f"{self.name}-{self._threads}", daemon=True).start()

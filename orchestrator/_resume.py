@@ -70,7 +70,8 @@ def _set_aside_metrics(run_dir: Path, step: int) -> int:
         except (json.JSONDecodeError, KeyError, TypeError):
             record_step = None  # a line cut by a kill
         # Step 0 holds only the baseline evaluation, which a run resumed from step 0 writes again.
-        (kept if record_step is not None and 0 < record_step <= step else abandoned).append(line)
+        keep = record_step is not None and record_step <= step and (record_step > 0 or step > 0)
+        (kept if keep else abandoned).append(line)
     if abandoned:
         with open(run_dir / ABANDONED_METRICS_FILE, "a") as f:
             f.writelines(line if line.endswith("\n") else line + "\n" for line in abandoned)

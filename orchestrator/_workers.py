@@ -242,8 +242,7 @@ class EnvWorkers:
 
     def _fail(self, error: PermanentError) -> None:
         if self.failure is None:
-            self.failure = error
-            logger.error("%s", error)
+            self.failure = error  # reported once, by whoever ends the run (train raises it)
             if self._on_failure is not None:
                 self._on_failure(error)
 

@@ -40,11 +40,11 @@ def killed_run(tmp_path):
 def test_abandoned_metrics_and_rollouts_are_set_aside_and_nothing_is_lost(killed_run):
     before = {r.rollout_uid for r in read_rollouts(killed_run)}
     moved = set_aside_abandoned(killed_run, 3, {"math": 10})
-    assert moved == {"metrics_lines": 4, "rollouts/math": 3}
+    assert moved == {"metrics_lines": 3, "rollouts/math": 3}
 
-    assert [r["step"] for r in read_metrics(killed_run)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(killed_run)] == [0, 1, 2, 3]  # 0: the baseline evaluation
     abandoned_lines = (killed_run / ABANDONED_METRICS_FILE).read_text().splitlines()
-    assert len(abandoned_lines) == 4 and abandoned_lines[-1] == '{"step": 6, "lear'  # step 0 baseline, 4, 5, the cut line
+    assert len(abandoned_lines) == 3 and abandoned_lines[-1] == '{"step": 6, "lear'  # 4, 5, the cut line
 
     kept = read_rollouts(killed_run)
     assert sorted((r.policy_version, r.metadata[PROBLEM_POSITION_KEY]) for r in kept) == [(0, 0), (1, 3), (2, 6), (3, 9)]

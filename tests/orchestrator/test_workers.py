@@ -96,3 +96,46 @@ def test_a_missing_data_file_or_a_prompt_over_the_row_stops_the_run_without_a_re
         failures, _, workers = run_workers_until_failure(env, unreachable)
         assert len(failures) == 1 and isinstance(failures[0], error) and "env 'qa'" in str(failures[0])
         assert workers.metrics()["workers/qa/errors"] <= 2  # each replica gave up at its first try
+
+
+class FlakyEngine:
+    """Stands in for the engine behind the real HTTP app: the first `failures` jobs fail (HTTP 500)."""
+
+    def __init__(self, failures):
+        self.failures = failures
+        self.policy_version = 0
+        tokenizer = load_tokenizer("char")
+        self.answer = tokenizer.encode("4", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def submit(self, job):
+        from marin_rl.orchestrator._server_engine import JobResult, Sample
+
+        if self.failures > 0:
+            self.failures -= 1
+            job.future.set_exception(RuntimeError("engine failure"))
+        else:
+            job.future.set_result(JobResult([Sample(self.answer, [-0.1] * len(self.answer))] * job.n, None, self.policy_version))
+        return job.future
+
+
+def test_a_failed_evaluation_is_retried_then_recorded_and_never_ends_the_run(serve_asgi):
+    from marin_rl.config import EvalConfig
+    from marin_rl.orchestrator._server_app import build_app
+
+    tokenizer = load_tokenizer("char")
+    engine = FlakyEngine(failures=3)
+    url = serve_asgi(build_app(InferenceServerConfig(max_seq_len=64), tokenizer, engine, len(tokenizer)))
+    env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
+    spec = WorkerSpec(replicas=1, group_size=2, eval=EvalConfig())
+    buffer = ReplayBuffer("addition")
+    workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [Endpoint(f"{url}/v1", "policy", "embedded")], max_backoff_s=0.05)
+    workers.start(free_running=False)
+    try:
+        retried = workers.evaluate(step=0)
+        assert retried["eval/addition/failed"] == 0 and engine.failures == 0  # three 500s, each retried
+        assert "eval/addition/greedy/reward/mean" in retried
+        engine.failures = 10**9  # down for good
+        failed = workers.evaluate(step=1)
+        assert failed == {"eval/addition/failed": 1.0}
+    finally:
+        workers.stop()
