@@ -157,8 +157,9 @@ class TrainConfig:
     """Reproducible runs: the same seed gives the same metrics and parameters, and a run killed and
     resumed gives the parameters of one that was not. Generation for step k starts once policy k is
     served and stops when the batch is full (no overlap with training: slower, see
-    docs/reliability.md); every request is seeded from (seed, env, step, group). Holds on one kind of
-    device while no remote server that takes part fails over to another kind."""
+    docs/reliability.md). Requests are always seeded from (seed, env, the problem's position in the
+    env's stream). Holds on one kind of device while no remote server that takes part fails over to
+    another kind."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Optional Weights & Biases logging."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from marin_rl.errors import RunDirError
 from marin_rl.orchestrator._metrics import METRICS_FILE
@@ -82,10 +83,14 @@ def _set_aside_metrics(run_dir: Path, step: int) -> int:
 def _set_aside_rollouts(run_dir: Path, env_dir: Path, step: int, position: int | None) -> int:
     moved = 0
     for path in list_segments(env_dir):
-        table = read_segment(path)
-        abandoned = _abandoned_rows(table, step, position)
-        if not abandoned.any():
+        try:
+            abandoned = _abandoned_rows(pq.read_table(path, columns=["policy_version", "metadata_json"]), step, position)
+        except (pa.ArrowException, OSError) as e:  # readers skip it too (named on stderr)
+            logger.warning("resume: %s is unreadable, left as it is: %s", path, e)
             continue
+        if not abandoned.any():
+            continue  # most segments: only two columns read
+        table = read_segment(path)
         # First a copy where readers do not look (named like the segment: a retry after a crash finds
         # it there already), then the segment without those rows.
         target = run_dir / ABANDONED_ROLLOUTS_DIR / env_dir.name / path.name

@@ -151,13 +151,13 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         workers.start(free_running=not config.deterministic)
         with ProgressLine(config.max_steps, start_step, [e.name for e in config.envs]) as progress:
             if config.eval_every and start_step == 0:
-                metrics_log.log(0, _timed_eval(workers, 0, config.deterministic))  # the baseline, before any update
+                metrics_log.log(0, _timed_eval(workers, 0))  # the baseline, before any update
             while step < config.max_steps:
                 # --- data: wait for a full batch of fresh-enough rollouts
                 t0 = time.perf_counter()
                 try:
                     if config.deterministic:  # sampled now by policy `step` alone, in a fixed order
-                        workers.fill(learner.policy_version, batcher.short_envs, cancel=stop)
+                        workers.fill(batcher.short_envs, cancel=stop)
                     batch = batcher.next_batch(learner.policy_version, cancel=stop)
                 except BatchCancelled:
                     stopped_early = True
@@ -193,7 +193,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                 totals["wait"] += t1 - t0
                 generated = sum(metrics.get(f"replays/{e.name}/new_generated_tokens", 0.0) for e in config.envs)
                 if config.eval_every and step % config.eval_every == 0:
-                    metrics.update(_timed_eval(workers, step, config.deterministic))
+                    metrics.update(_timed_eval(workers, step))
                 metrics.update(
                     {
                         "time/step_s": t3 - t0,
@@ -245,8 +245,8 @@ def _save_or_log(save, ended_by: BaseException | None) -> None:
         logger.exception("could not write the final checkpoint")
 
 
-def _timed_eval(workers: EnvWorkers, step: int, deterministic: bool) -> dict[str, float]:
+def _timed_eval(workers: EnvWorkers, step: int) -> dict[str, float]:
     start = time.perf_counter()
-    metrics = workers.evaluate(step, deterministic)
+    metrics = workers.evaluate(step)
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics

@@ -3,9 +3,11 @@
 All workers share one event loop on a background thread. Two ways to run:
 - free-running (default): `replicas` asyncio tasks per env sample groups forever while the learner
   trains; a group that fails is counted and the worker goes on with the next problem after a backoff.
-- deterministic (`fill(step)`): the train loop asks for step k's groups once policy k is served;
-  groups are drawn in a fixed order, seeded from (run seed, env, step, group), retried as they were
-  until they succeed, and added to the buffer in that order until every env can fill its share.
+- deterministic (`fill`): the train loop asks for step k's groups once policy k is served;
+  groups are drawn in a fixed order, retried as they were until they succeed, and added to the
+  buffer in that order until every env can fill its share.
+
+Every group's requests are seeded from (run seed, env, the problem's position in the env's stream).
 
 Failures are classified (`_faults.classify`): transient ones (a server down or restarting) are retried
 with backoff; permanent ones (a missing data file, a prompt longer than the row, a 400) stop the run
@@ -209,7 +211,7 @@ class EnvWorkers:
         position = stream.position
         return position, next(stream)
 
-    async def _group(self, name: str, drawn: tuple[int, Problem], replica: int, seed: int | None = None) -> list[Rollout]:
+    async def _group(self, name: str, drawn: tuple[int, Problem], replica: int) -> list[Rollout]:
         env, spec = self.envs[name], self.specs[name]
         position, problem = drawn
         teacher, scorer = self._teachers.get(name, (None, None))
@@ -217,8 +219,9 @@ class EnvWorkers:
             sampler = DemonstrationSampler(problem, env.tokenizer)
         else:
             sampler = teacher if spec.source == "teacher" else self._policy_sampler(replica)
-        if seed is not None:
-            sampler = SeededSampler(sampler, seed)
+        # Seeded by the problem's position in the stream: unique in the run, resumes included, and the
+        # same in every run with this seed (a deterministic run's samples depend on nothing else).
+        sampler = SeededSampler(sampler, derive_seed(self.seed, name, position))
         rollouts = await sample_group(env, problem, sampler, spec.group_size, spec.sampling, **spec.rollout_settings())
         if scorer is not None:
             rollouts = await scorer.score(rollouts)
@@ -277,22 +280,19 @@ class EnvWorkers:
 
     # ---- deterministic ----
 
-    def fill(self, step: int, short: Callable[[], list[str]], cancel: threading.Event | None = None) -> None:
-        """Sample step `step`'s groups in a fixed order until `short()` (the envs that cannot fill their
-        share of the batch) is empty. Raises the `PermanentError` that stops the run, and
+    def fill(self, short: Callable[[], list[str]], cancel: threading.Event | None = None) -> None:
+        """Sample groups in a fixed order until `short()` (the envs that cannot fill their share of the
+        batch) is empty. Raises the `PermanentError` that stops the run, and
         `BatchCancelled` when `cancel` is set while a group is being retried."""
-        asyncio.run_coroutine_threadsafe(self._fill(step, short, cancel or threading.Event()), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._fill(short, cancel or threading.Event()), self._loop).result()
 
-    async def _fill(self, step: int, short: Callable[[], list[str]], cancel: threading.Event) -> None:
+    async def _fill(self, short: Callable[[], list[str]], cancel: threading.Event) -> None:
         async def fill_env(name: str) -> None:
             replicas, next_group = self.specs[name].replicas, 0
             while name in short():
                 indices = range(next_group, next_group + replicas)
                 problems = [self._draw(name) for _ in indices]
-                seeds = [derive_seed(self.seed, name, step, i) for i in indices]
-                groups = await gather_all(
-                    self._group_retried(name, p, i, seed, cancel) for p, i, seed in zip(problems, indices, seeds)
-                )
+                groups = await gather_all(self._group_retried(name, p, i, cancel) for p, i in zip(problems, indices))
                 for rollouts in groups:  # in group order, whatever order they finished in
                     if name not in short():
                         break  # the rest of this wave is not needed (its problems stay drawn)
@@ -301,13 +301,11 @@ class EnvWorkers:
 
         await gather_all(fill_env(name) for name in self.envs)
 
-    async def _group_retried(
-        self, name: str, drawn: tuple[int, Problem], index: int, seed: int, cancel: threading.Event
-    ) -> list[Rollout]:
+    async def _group_retried(self, name: str, drawn: tuple[int, Problem], index: int, cancel: threading.Event) -> list[Rollout]:
         backoff = 1.0
         while True:
             try:
-                return await self._group(name, drawn, index, seed)
+                return await self._group(name, drawn, index)
             except Exception as e:  # noqa: BLE001 - retried with the same problem and seed, so the result is the same
                 self._note_failure(name, e)
             if cancel.is_set():
@@ -317,23 +315,22 @@ class EnvWorkers:
 
     # ---- evaluation ----
 
-    def evaluate(self, step: int = 0, deterministic: bool = False) -> dict[str, float]:
+    def evaluate(self, step: int = 0) -> dict[str, float]:
         """Evaluate every env's held-out problems with the current policy (blocks until done).
 
         Runs on the workers' event loop next to training's requests; eval rollouts are not trained on.
         A request that fails transiently is retried; an env whose evaluation still fails is recorded
         (`eval/{env}/failed`), never raised: evaluation does not end a run.
         """
-        return asyncio.run_coroutine_threadsafe(self._evaluate_all(step, deterministic), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self._evaluate_all(step), self._loop).result()
 
-    async def _evaluate_all(self, step: int, deterministic: bool) -> dict[str, float]:
+    async def _evaluate_all(self, step: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for name, env in self.envs.items():
             if self.specs[name].eval is None:
                 continue
             sampler = RetryingSampler(self._samplers[0], max_backoff_s=self.max_backoff_s, attempts=EVAL_ATTEMPTS)
-            if deterministic:
-                sampler = SeededSampler(sampler, derive_seed(self.seed, name, "eval", step))
+            sampler = SeededSampler(sampler, derive_seed(self.seed, name, "eval", step))
             try:
                 metrics.update(await self._evaluate_env(name, env, sampler))
                 metrics[f"eval/{name}/failed"] = 0.0
