@@ -1,14 +1,13 @@
 """`PolicyServer`: the embedded OpenAI-compatible server, colocated with the learner in one process.
 
-uvicorn runs in a background thread of the caller's process; a second thread drives Levanter's JAX
-engine (`_server_engine.py`). New weights are swapped in place between batches, with no copy to disk
-and no recompilation (`swap_weights`). The API, its vLLM extensions and `policy_version` are described
+uvicorn runs in a background thread of the caller's process; a second thread drives the generation
+engine (`marin_rl.engine`). New weights are swapped in place between device calls, with no copy to
+disk and no recompilation (`swap_weights`). The API, its vLLM extensions and `policy_version` are described
 in docs/serving.md.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 import threading
@@ -29,9 +28,10 @@ class WeightSwap:
 
     policy_version: int
     copy_seconds: float
-    """Making the server's copy of the weights (cast to the compute dtype), on device."""
+    """Making the server's copy of the weights (cast to the compute dtype, one array per layer), on device."""
     wait_seconds: float
-    """Waiting for the batch in flight to finish, then installing the weights (about 0 when not waiting)."""
+    """Waiting for the engine's device call in flight to finish, then installing the weights (about 0
+    when not waiting)."""
 
     @property
     def total_seconds(self) -> float:
@@ -50,7 +50,7 @@ class PolicyServer:
         server.shutdown()
 
     `weight_loader` (checkpoint dir -> model) is for the `serve` process: with it and a weight-update
-    token configured, POST /v1/weights/update is mounted.
+    token configured, POST /v1/weights/update is mounted. `device_lock` is the engine's (see `Engine`).
     """
 
     def __init__(
@@ -61,10 +61,11 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
+        device_lock: threading.Lock | None = None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
+        from marin_rl.engine import Engine
         from marin_rl.orchestrator._server_app import WeightUpdates, build_app
-        from marin_rl.orchestrator._server_engine import EngineWorker, serving_copy
 
         if config.max_seq_len > model.Pos.size:
             raise ValueError(
@@ -72,17 +73,15 @@ class PolicyServer:
                 f"{model.Pos.size} (its config's seq_len)"
             )
         self.config = config
-        self._serving_copy = serving_copy
-        self._worker = EngineWorker(config, serving_copy(model, config.compute_dtype), tokenizer, policy_version)
+        self.engine = Engine(config, model, policy_version, device_lock=device_lock)
         updates = None
         if weight_loader is not None:
             token = config.resolved_weight_token()
             if token is None:
                 logger.warning("no weight_update_token and no MARIN_RL_WEIGHT_TOKEN: /v1/weights/update is disabled")
             else:
-                # A loaded checkpoint is nobody else's: no need for the server's own copy.
-                updates = WeightUpdates(token=token, load=weight_loader, swap=functools.partial(self.swap_weights, copy=False))
-        self.app = build_app(config, tokenizer, self._worker, model.Vocab.size, updates)
+                updates = WeightUpdates(token=token, load=weight_loader, swap=self.swap_weights)
+        self.app = build_app(config, tokenizer, self.engine, model.Vocab.size, updates)
         self.last_swap: WeightSwap | None = None
         """Timing of the latest `swap_weights`."""
         self._uvicorn = None
@@ -117,7 +116,7 @@ class PolicyServer:
         """Stop accepting requests, stop the engine thread. Queued requests get HTTP 503."""
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        self._worker.stop()
+        self.engine.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
@@ -139,25 +138,23 @@ class PolicyServer:
 
     @property
     def policy_version(self) -> int:
-        """Version of the weights the next batch will use."""
-        return self._worker.policy_version
+        """Version of the weights the next admitted request will use."""
+        return self.engine.policy_version
 
     # ------------------------------------------------------------------------------------------- weights
 
-    def swap_weights(self, model, policy_version: int, *, copy: bool = True, wait: bool = True) -> WeightSwap:
-        """Serve `model` from the next batch on, reporting `policy_version`.
+    def swap_weights(self, model, policy_version: int, *, wait: bool = True) -> WeightSwap:
+        """Serve `model` from the engine's next device call on, reporting `policy_version`.
 
-        The batch in flight finishes with the old weights. `wait=True` blocks until the new weights are
-        installed (after that batch); `wait=False` returns at once, and any request made after it is
-        served by the new weights (or newer). The model must have the served architecture; its compiled
-        kernels are reused (no recompilation). `copy=False` skips making the server's own copy: only for
-        models nobody else holds (a freshly loaded checkpoint in the compute dtype).
+        Sequences being decoded continue with the new weights; requests admitted after this returns use
+        only them (or newer). `wait=True` blocks until installed (at most one decode chunk); `wait=False`
+        returns after the copy. The model must have the served architecture: the compiled kernels are
+        reused (no recompilation).
         """
         start = time.perf_counter()
-        if copy:
-            model = self._serving_copy(model, self.config.compute_dtype)
+        weights = self.engine.prepare(model)
         copied = time.perf_counter()
-        self._worker.swap(model, policy_version, wait=wait)
+        self.engine.install(weights, policy_version, wait=wait)
         self.last_swap = WeightSwap(policy_version, copied - start, time.perf_counter() - copied)
         logger.info("swapped in policy version %d in %.3fs", policy_version, self.last_swap.total_seconds)
         return self.last_swap

@@ -10,7 +10,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from fastapi import FastAPI, Header, Request
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marin_rl.orchestrator._server_config import InferenceServerConfig
-from marin_rl.orchestrator._server_engine import EngineWorker, GenerationJob, JobResult, PromptScores
+from marin_rl.engine import GenerationJob, JobResult, PromptScores
 from marin_rl.orchestrator._server_protocol import (
     ApiError,
     ChatChoice,
@@ -41,6 +41,9 @@ from marin_rl.orchestrator._server_protocol import (
     token_string,
     truncate_at_stop,
 )
+
+if TYPE_CHECKING:
+    from marin_rl.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +71,10 @@ class _Choice:
 class _Handler:
     """Turns validated requests into engine jobs and engine results into responses."""
 
-    def __init__(self, config: InferenceServerConfig, tokenizer, worker: EngineWorker, vocab_size: int):
+    def __init__(self, config: InferenceServerConfig, tokenizer, engine: Engine, vocab_size: int):
         self.config = config
         self.tokenizer = tokenizer
-        self.worker = worker
+        self.engine = engine
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(config.seed)
         # No token covers more characters than the longest token's text, so a text longer than this
@@ -128,7 +131,19 @@ class _Handler:
                     "Please reduce the length of the prompt or of max_tokens.",
                     param="max_tokens",
                 )
-            jobs.append(GenerationJob(prompt, request.n, budget, request.temperature, seed, stop_sequences, k))
+            jobs.append(
+                GenerationJob(
+                    prompt,
+                    request.n,
+                    budget,
+                    request.temperature,
+                    seed,
+                    stop_sequences,
+                    top_p=request.top_p if request.top_p is not None else 1.0,
+                    top_k=max(request.top_k or 0, 0),
+                    prompt_logprobs=k,
+                )
+            )
         return jobs
 
     def _stop_sequences(self, request) -> list[list[int]]:
@@ -139,7 +154,6 @@ class _Handler:
         for t in ids:
             if not 0 <= t < self.vocab_size:
                 raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}), got {t}", param="stop_token_ids")
-        # Upstream: with no stop token, Levanter's engine does not end a sequence at a sampled EOS.
         eos = self.tokenizer.eos_token_id
         if not request.ignore_eos and eos is not None and eos not in ids:
             ids.insert(0, eos)
@@ -159,7 +173,7 @@ class _Handler:
         return sequences
 
     async def run(self, jobs: list[GenerationJob]) -> list[JobResult]:
-        futures = [self.worker.submit(job) for job in jobs]
+        futures = [self.engine.submit(job) for job in jobs]
         try:
             return await asyncio.wait_for(
                 asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.config.request_timeout_s
@@ -259,7 +273,7 @@ def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]
 def build_app(
     config: InferenceServerConfig,
     tokenizer,
-    worker: EngineWorker,
+    engine: Engine,
     vocab_size: int,
     weight_updates: WeightUpdates | None = None,
 ) -> FastAPI:
@@ -267,7 +281,7 @@ def build_app(
     # FastAPI answers 413 to a body over the limit before reading it (Content-Length), or as soon as
     # the bytes read pass it (chunked).
     app = FastAPI(title="marin-rl inference server", max_body_size=config.max_request_bytes)
-    handler = _Handler(config, tokenizer, worker, vocab_size)
+    handler = _Handler(config, tokenizer, engine, vocab_size)
     instance = uuid.uuid4().hex
 
     @app.exception_handler(ApiError)
@@ -298,7 +312,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": worker.policy_version, "instance": instance}
+        return {"status": "ok", "policy_version": engine.policy_version, "instance": instance}
 
     @app.get("/v1/models")
     async def models():
@@ -378,14 +392,14 @@ def build_app(
 
     @app.get("/v1/weights/version", response_model=WeightVersionResponse)
     async def weights_version() -> WeightVersionResponse:
-        return WeightVersionResponse(policy_version=worker.policy_version, instance=instance)
+        return WeightVersionResponse(policy_version=engine.policy_version, instance=instance)
 
     if weight_updates is not None:
-        _mount_weight_update(app, worker, weight_updates, instance)
+        _mount_weight_update(app, engine, weight_updates, instance)
     return app
 
 
-def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpdates, instance: str) -> None:
+def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, instance: str) -> None:
     lock = asyncio.Lock()
 
     @app.post("/v1/weights/update", response_model=WeightVersionResponse)
@@ -396,10 +410,10 @@ def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpda
         if not secrets.compare_digest(token.encode(), updates.token.encode()):
             raise ApiError(403, "wrong weight-update token")
         async with lock:  # one update at a time, in order
-            if body.policy_version < worker.policy_version and not body.reset:
+            if body.policy_version < engine.policy_version and not body.reset:
                 raise ApiError(
                     409,
-                    f"policy_version {body.policy_version} is older than the served {worker.policy_version} (send reset: true to roll back)",
+                    f"policy_version {body.policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
                     param="policy_version",
                 )
             if not os.path.isdir(body.path):
@@ -416,6 +430,6 @@ def _mount_weight_update(app: FastAPI, worker: EngineWorker, updates: WeightUpda
                 raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
         logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
         return WeightVersionResponse(
-            policy_version=worker.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
+            policy_version=engine.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
         )
 

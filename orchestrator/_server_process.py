@@ -27,7 +27,7 @@ def serve_main(config: ServeConfig) -> None:
 
     _check_checkpoint_dir(config.checkpoint)
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
-    load = functools.partial(_load_checkpoint, tokenizer=tokenizer, dtype=config.server.compute_dtype)
+    load = functools.partial(_load_checkpoint, tokenizer=tokenizer)
     model = load(config.checkpoint)
     server = PolicyServer(config.server, model, tokenizer, config.policy_version, weight_loader=load)
     del model  # the server holds its own copy
@@ -45,17 +45,15 @@ def serve_main(config: ServeConfig) -> None:
         server.shutdown()
 
 
-def _load_checkpoint(path: str, *, tokenizer, dtype: str | None):
-    """The checkpoint's model (family from its config.json), floating params in the serving dtype."""
-    import jax.numpy as jnp
+def _load_checkpoint(path: str, *, tokenizer):
+    """The checkpoint's model (family from its config.json); the engine casts it to its serving dtype."""
     from transformers import AutoConfig
 
-    from marin_rl.learner import ModelConfig, cast_floating, load_hf_model
+    from marin_rl.learner import ModelConfig, load_hf_model
 
     _check_checkpoint_dir(path)
     family = AutoConfig.from_pretrained(path, local_files_only=True).model_type
-    model = load_hf_model(path, ModelConfig(family=family), tokenizer=tokenizer)
-    return model if dtype is None else cast_floating(model, jnp.dtype(dtype))
+    return load_hf_model(path, ModelConfig(family=family), tokenizer=tokenizer)
 
 
 def _check_checkpoint_dir(path: str) -> None:

@@ -4,7 +4,7 @@ Requests accept the OpenAI fields and the vLLM extras env code uses against vLLM
 `return_tokens_as_token_ids`, `prompt_logprobs`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `ignore_eos`, token-id prompts on /v1/completions). Responses carry vLLM's
 `token_ids` (per choice), `prompt_token_ids`, `prompt_logprobs`, `stop_reason`, and our `policy_version`.
-Sampling options the Levanter engine cannot honour are refused with HTTP 400 rather than ignored.
+Sampling options the engine cannot honour are refused with HTTP 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 # Sampling options of the OpenAI/vLLM APIs the engine does not implement, with the value that means
 # "off". A request setting any other value is refused, so env code never silently gets other sampling.
 _NEUTRAL_OPTIONS: dict[str, Any] = {
-    "top_p": 1.0,
-    "top_k": (0, -1),
     "min_p": 0.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
@@ -85,9 +83,10 @@ class _Request(BaseModel):
     """vLLM defaults to False; we always return the ids unless a request says false."""
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    """0 or -1: no top-k cut (vLLM's convention)."""
     # accepted only with their neutral value (see _NEUTRAL_OPTIONS)
-    top_p: float | None = None
-    top_k: int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -105,7 +104,7 @@ class _Request(BaseModel):
             allowed = neutral if isinstance(neutral, tuple) else (neutral,)
             if value is not None and value not in allowed:
                 raise bad_request(
-                    f"{name}={value!r} is not supported by this server (Levanter engine); "
+                    f"{name}={value!r} is not supported by this server; "
                     f"omit it or use {allowed[0]!r}",
                     param=name,
                 )

@@ -17,7 +17,7 @@ from marin_rl.tokenizer import load_tokenizer
 pytestmark = pytest.mark.slow
 
 TOKEN = "s3cret-token"
-SERVER = dict(max_seqs=4, max_seq_len=128, page_size=16, max_rounds=8)
+SERVER = dict(max_seqs=4, max_seq_len=128, page_size=16, decode_steps=8)
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 

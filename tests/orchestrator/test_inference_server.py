@@ -1,4 +1,4 @@
-"""The embedded `PolicyServer` with Levanter's real engine, a tiny random Llama and the char tokenizer.
+"""The embedded `PolicyServer` with the real engine, a tiny random Llama and the char tokenizer.
 
 One server is shared by the module (its first request compiles the engine's kernels, ~20-30 s on a
 2-core CPU), hence the `slow` mark. The HTTP layer alone is tested quickly in test_inference_server_api.py.
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from levanter.inference import engine as levanter_engine
 from levanter.layers.attention import AttentionMask
 
 from marin_rl.learner import ModelConfig, build_model
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.slow
 TOKENIZER = load_tokenizer("char")
 EOS = TOKENIZER.eos_token_id
 SEQ_LEN = 128
-CONFIG = InferenceServerConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=16, max_rounds=8)
+CONFIG = InferenceServerConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=16, decode_steps=8)
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
@@ -175,13 +174,17 @@ def test_more_concurrent_requests_than_slots_and_pages_queue_instead_of_failing(
 
 
 def test_an_engine_failure_is_a_500_and_the_next_request_is_served(client, server, monkeypatch):
-    def fail(requests):
-        raise RuntimeError("Out of free pages during allocation")
+    def fail(*args, **kwargs):
+        raise RuntimeError("device call failed")
 
-    monkeypatch.setattr(server._worker._engine, "generate", fail)
-    with pytest.raises(openai.InternalServerError, match="Out of free pages"):
-        client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
+    errors = server.engine.stats.errors
+    monkeypatch.setattr(server.engine, "_decode", fail)
+    with pytest.raises(openai.InternalServerError, match="device call failed"):
+        client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True})
+    monkeypatch.undo()
+    assert server.engine.stats.errors == errors + 1
     assert len(client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True}).choices[0].token_ids) == 4
+    assert server.engine.stats.pages_in_use == 0
 
 
 def test_swap_weights_serves_the_new_model_without_recompiling(client, server, model_a):
@@ -190,7 +193,7 @@ def test_swap_weights_serves_the_new_model_without_recompiling(client, server, m
     greedy_a, greedy_b = greedy_decode(model_a, prompt, 16), greedy_decode(model_b, prompt, 16)
     assert greedy_a != greedy_b  # precondition: the two random models disagree
     client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)  # compile first
-    compiled = (levanter_engine._run_prefill._cache_size(), levanter_engine._run_generation_loop._cache_size())
+    compiled = server.engine.compiled_variants()
 
     def greedy():
         r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=16, temperature=0)
@@ -202,7 +205,7 @@ def test_swap_weights_serves_the_new_model_without_recompiling(client, server, m
     second = server.swap_weights(model_a, version + 2)
     assert greedy() == (greedy_a, version + 2)
     assert server.policy_version == version + 2 and server.last_swap == second
-    assert (levanter_engine._run_prefill._cache_size(), levanter_engine._run_generation_loop._cache_size()) == compiled
+    assert server.engine.compiled_variants() == compiled
     print(f"swap seconds: first {first.total_seconds:.4f}, second {second.total_seconds:.4f}")
 
 
@@ -217,9 +220,8 @@ def test_swap_without_waiting_serves_every_later_request_with_the_new_weights(cl
 
 
 def test_swap_weights_refuses_another_architecture(server, model_a):
-    leaves, treedef = jax.tree.flatten(model_a)
-    leaves[0] = jnp.zeros((leaves[0].shape[0] + 1, *leaves[0].shape[1:]), leaves[0].dtype)
+    wider = ModelConfig(hidden_dim=32, intermediate_dim=96, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=SEQ_LEN)
     version = server.policy_version
-    with pytest.raises(ValueError, match="leaf 0"):
-        server.swap_weights(jax.tree.unflatten(treedef, leaves), version + 1)
+    with pytest.raises(ValueError, match="new weights"):
+        server.swap_weights(build_model(wider, len(TOKENIZER), key=jax.random.PRNGKey(0)), version + 1)
     assert server.policy_version == version

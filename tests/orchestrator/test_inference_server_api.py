@@ -1,4 +1,4 @@
-"""The HTTP layer of the inference server against a scripted engine worker (no JAX compilation).
+"""The HTTP layer of the inference server against a scripted engine (no JAX compilation).
 
 The real engine is exercised in test_inference_server.py; here the wire format, the vLLM extensions,
 stop handling, validation errors and timeouts are checked quickly.
@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 
 from marin_rl.orchestrator import InferenceServerConfig
 from marin_rl.orchestrator._server_app import WeightUpdates, build_app
-from marin_rl.orchestrator._server_engine import JobResult, PromptScores, Sample
+from marin_rl.engine import JobResult, PromptScores, Sample
 from marin_rl.orchestrator._server_protocol import truncate_at_stop
 from marin_rl.tokenizer import load_tokenizer
 
@@ -149,7 +149,8 @@ def test_prompt_logprobs_follow_vllm_layout():
         ({"messages": [{"role": "bogus", "content": "hi"}]}, "messages.0.role"),
         ({"max_tokens": 1000}, "max_tokens"),
         ({"n": 5}, "n"),
-        ({"top_p": 0.5}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
         ({"stream": True}, "stream"),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
@@ -162,6 +163,13 @@ def test_bad_requests_get_400_with_an_openai_error(kwargs, param):
         chat(client_for(worker), **kwargs)
     assert e.value.status_code == 400 and e.value.body["param"] == param and e.value.body["message"]
     assert worker.jobs == []
+
+
+def test_top_p_and_top_k_reach_the_engine():
+    worker = ScriptedWorker([ids("a")])
+    chat(client_for(worker), max_tokens=1, top_p=0.5, extra_body={"top_k": 5})
+    chat(client_for(worker), max_tokens=1, extra_body={"top_k": -1})
+    assert [(j.top_p, j.top_k) for j in worker.jobs] == [(0.5, 5), (1.0, 0)]
 
 
 def test_a_prompt_filling_the_context_is_refused():

@@ -108,7 +108,7 @@ class FlakyEngine:
         self.answer = tokenizer.encode("4", add_special_tokens=False) + [tokenizer.eos_token_id]
 
     def submit(self, job):
-        from marin_rl.orchestrator._server_engine import JobResult, Sample
+        from marin_rl.engine import JobResult, Sample
 
         if self.failures > 0:
             self.failures -= 1

@@ -47,7 +47,7 @@ def server(tmp_path_factory):
     tokenizer = load_tokenizer("char")
     config = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=64)
     checkpoint = save_hf_model(build_model(config, len(tokenizer), key=jax.random.key(0)), tokenizer, workdir / "model")
-    flags = ["--tokenizer=char", "--server.max_seqs=8", "--server.max_seq_len=64", "--server.page_size=16", "--server.max_rounds=8"]
+    flags = ["--tokenizer=char", "--server.max_seqs=8", "--server.max_seq_len=64", "--server.page_size=16", "--server.decode_steps=8"]
     process, base_url = start_serve_process(checkpoint, workdir, token=TOKEN, flags=flags)
     server = Server(process, base_url)
     completion(server)  # compiled before anything is measured

@@ -1,0 +1,217 @@
+"""Generation benchmark: the engine, engine-direct and through the HTTP API, against transformers.
+
+A randomly initialised Llama of the 1B shape (hidden 2048, MLP 8192, 16 layers, 32/8 heads, vocab
+32,000, bf16), prompts of 128 random tokens, every completion exactly `new_tokens` long (no stop), for
+each number of concurrent requests (n=1 each). Prints generated tokens/s and the median time to first
+token; with torch installed (another process, so its CUDA context is separate), the same shape
+through transformers `generate()` (sampling, dynamic cache).
+
+    python benchmarks/bench_generate.py                          # the 1B shape, on the GPU machine
+    python benchmarks/bench_generate.py --size tiny --new-tokens 32 --concurrency 1 8   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZES = {
+    # hidden, intermediate, layers, heads, kv heads, vocab
+    "tiny": (64, 256, 2, 4, 2, 1000),
+    "1b": (2048, 8192, 16, 32, 8, 32000),
+}
+
+
+def build(size: str, seq_len: int):
+    import jax
+
+    from marin_rl.learner import ModelConfig, build_model
+
+    hidden, mlp, layers, heads, kv, vocab = SIZES[size]
+    config = ModelConfig(
+        hidden_dim=hidden, intermediate_dim=mlp, num_layers=layers, num_heads=heads, num_kv_heads=kv, seq_len=seq_len
+    )
+    return build_model(config, vocab, key=jax.random.PRNGKey(0))
+
+
+def jobs_for(concurrency: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
+    from marin_rl.engine import GenerationJob
+
+    rng = np.random.default_rng(seed)
+    return [
+        GenerationJob(rng.integers(0, vocab, prompt_len).tolist(), 1, new_tokens, 1.0, int(rng.integers(2**62)), [])
+        for _ in range(concurrency)
+    ]
+
+
+def engine_run(engine, jobs) -> tuple[float, float, float]:
+    """(generated tokens/s, median time to first token in s, ms per decode step) for `jobs` submitted at once."""
+    steps, seconds = engine.stats.decode_steps, engine.stats.decode_seconds
+    start = time.perf_counter()
+    for job in jobs:
+        engine.submit(job)
+    results = [job.future.result() for job in jobs]
+    wall = time.perf_counter() - start
+    tokens = sum(len(s.token_ids) for r in results for s in r.samples)
+    step_ms = 1000 * (engine.stats.decode_seconds - seconds) / max(1, engine.stats.decode_steps - steps)
+    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in jobs), step_ms
+
+
+def http_run(server, jobs) -> tuple[float, float]:
+    """The same through POST /v1/completions (token-id prompts), all requests in flight at once."""
+    import openai
+
+    submitted = []
+    submit = server.engine.submit
+
+    def recording_submit(job):  # the engine's view of each request, for its time to first token
+        submitted.append(job)
+        return submit(job)
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600) as client:
+            calls = [
+                client.completions.create(
+                    model="policy", prompt=j.prompt_ids, max_tokens=j.max_tokens, temperature=1.0, seed=j.seed, extra_body={"ignore_eos": True}
+                )
+                for j in jobs
+            ]
+            return await asyncio.gather(*calls)
+
+    server.engine.submit = recording_submit
+    try:
+        start = time.perf_counter()
+        responses = asyncio.run(go())
+        wall = time.perf_counter() - start
+    finally:
+        server.engine.submit = submit
+    tokens = sum(r.usage.completion_tokens for r in responses)
+    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted)
+
+
+def transformers_run(size: str, concurrency: int, prompt_len: int, new_tokens: int) -> float | None:
+    """transformers `generate()` tokens/s in a fresh process with the image's torch (None without torch)."""
+    code = f"""
+import time, torch, transformers
+hidden, mlp, layers, heads, kv, vocab = {SIZES[size]}
+config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings={prompt_len + new_tokens})
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).eval()
+ids = torch.randint(0, vocab, ({concurrency}, {prompt_len}), device=device)
+kw = dict(do_sample=True, max_new_tokens={new_tokens}, min_new_tokens={new_tokens}, attention_mask=torch.ones_like(ids), pad_token_id=0)
+with torch.no_grad():
+    model.generate(ids[:, :16], **{{**kw, "max_new_tokens": 8, "min_new_tokens": 8}})
+    if device == "cuda": torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, **kw)
+    if device == "cuda": torch.cuda.synchronize()
+print((out.shape[1] - {prompt_len}) * {concurrency} / (time.perf_counter() - start))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the image's own transformers
+    python = os.environ.get("TORCH_PYTHON", "python3")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    except FileNotFoundError:
+        return None
+    if out.returncode != 0:
+        print(f"  transformers: skipped ({out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode})")
+        return None
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--modes", nargs="+", default=["engine", "http", "transformers"], choices=["engine", "http", "transformers"])
+    parser.add_argument("--transformers-concurrency", type=int, nargs="+", default=None, help="default: --concurrency")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+
+    import jax
+
+    import marin_rl._compat  # noqa: F401
+    from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+    from marin_rl.tokenizer import load_tokenizer
+
+    max_len = args.prompt_len + max(args.new_tokens)
+    max_seqs = max(args.concurrency)
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    start = time.perf_counter()
+    model = build(args.size, max_len)
+    built = time.perf_counter() - start
+    config = InferenceServerConfig(
+        max_seqs=max_seqs,
+        max_seq_len=max_len,
+        page_size=args.page_size,
+        max_prefill_tokens=max(max_len, max_seqs * args.prompt_len),
+        decode_steps=args.decode_steps,
+        precompile_prompt_lens=(args.prompt_len,),
+        compute_dtype=args.dtype,
+        attention=args.attention,
+        request_timeout_s=3600,
+    )
+    vocab = SIZES[args.size][-1]
+    tokenizer = load_tokenizer("char")  # the HTTP layer needs one; prompts are token ids
+    server = PolicyServer(config, model, tokenizer).start()
+    del model
+    engine = server.engine
+    print(
+        f"model {args.size} built in {built:.1f}s, engine compiled in {time.perf_counter() - start - built:.1f}s; "
+        f"decode attention {engine.kernels.decode}, prefill "
+        f"{engine.kernels.prefill}, KV cache {engine.cache_spec.tokens} tokens ({engine.cache_spec.gib:.2f} GiB)"
+    )
+    rows = []
+    for new_tokens in args.new_tokens:
+        for concurrency in args.concurrency:
+            start = time.perf_counter()  # a short run first: the rare shapes (steps < decode_steps), Python paths
+            http_run(server, jobs_for(concurrency, args.prompt_len, 2 * args.decode_steps, vocab, 0))
+            row = {"new_tokens": new_tokens, "concurrency": concurrency, "warmup_s": round(time.perf_counter() - start, 1)}
+            if "engine" in args.modes:
+                row["engine_tok_s"], row["engine_ttft_s"], row["step_ms"] = engine_run(
+                    engine, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 1)
+                )
+            if "http" in args.modes:
+                row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    stats = engine.stats
+    server.shutdown()
+    assert stats.errors == 0 and stats.pages_in_use == 0, stats
+    if "transformers" in args.modes:
+        for row in rows:
+            if args.transformers_concurrency is None or row["concurrency"] in args.transformers_concurrency:
+                row["transformers_tok_s"] = transformers_run(args.size, row["concurrency"], args.prompt_len, row["new_tokens"])
+                print(json.dumps(row), flush=True)
+
+    print(f"\n{args.size}, prompts of {args.prompt_len} tokens, {jax.devices()[0].device_kind}")
+    print(f"{'new':>5} {'conc':>5} | {'engine tok/s':>12} {'TTFT s':>7} | {'HTTP tok/s':>10} {'TTFT s':>7} | {'transformers':>12} {'x':>5}")
+    for r in rows:
+        hf = r.get("transformers_tok_s")
+        ratio = f"{r['engine_tok_s'] / hf:5.1f}" if hf and "engine_tok_s" in r else ""
+        print(
+            f"{r['new_tokens']:>5} {r['concurrency']:>5} | {r.get('engine_tok_s', 0):>12,.0f} {r.get('engine_ttft_s', 0):>7.3f} | "
+            f"{r.get('http_tok_s', 0):>10,.0f} {r.get('http_ttft_s', 0):>7.3f} | {hf or 0:>12,.0f} {ratio:>5}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The generation engine: continuous batching, a paged KV cache, one compiled decode step for all slots.
+
+One file per concept: `_config` (sizes), `_request` (jobs and results), `_pages` (the page allocator),
+`_kv_cache` (the cache arrays), `_weights` (the engine's copy of a Levanter LM), `_attention` and
+`kernels/` (decode and prefill attention), `_forward` (the transformer passes), `_sampling`, `_decode`
+(the compiled device calls), `_scheduler` (the host side of continuous batching), `_engine` (the
+thread that runs it all). See docs/serving.md.
+
+The config imports eagerly; the rest (JAX, Levanter) loads on first use.
+"""
+
+import importlib
+
+from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
+
+_LAZY = {
+    "Engine": "_engine",
+    "EngineStats": "_engine",
+    "PageAllocator": "_pages",
+    "ServingWeights": "_weights",
+    "serving_weights": "_weights",
+}
+
+__all__ = ["EngineConfig", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"marin_rl.engine.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'marin_rl.engine' has no attribute {name!r}")

@@ -1,0 +1,114 @@
+"""Attention of the engine: decode over the paged KV cache, and prefill of fresh prompts.
+
+Decode (one new token per sequence): the Pallas/Triton paged-attention kernel on GPU
+(`kernels/paged_attention.py`), or a pure-JAX path that gathers each sequence's pages (any device;
+the reference the kernel is tested against). Prefill (whole prompts, padded into a batch): causal
+attention within each prompt through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """Which implementation runs each kind of attention; see `choose_kernels`."""
+
+    decode: str
+    """"pallas" or "jax"."""
+    prefill: str
+    """`jax.nn.dot_product_attention`'s implementation: "cudnn" or "xla"."""
+    k_splits: int = 16
+    """Pallas: partitions of a sequence's pages processed in parallel (flash-decoding)."""
+    pages_per_compute_block: int = 8
+    """Pallas: pages loaded per inner step."""
+    interpret: bool = False
+    """Pallas: run the kernel through the interpreter (to test it on CPU)."""
+
+    def table_width(self, pages_per_seq: int) -> int:
+        """Width of the block tables: the Pallas kernel splits them into `k_splits` equal partitions,
+        each a whole number of compute blocks of a power-of-two number of pages (Triton's block shapes
+        are powers of two). Extra entries point at the scratch page, past every length."""
+        if self.decode != "pallas":
+            return pages_per_seq
+        per_split = -(-pages_per_seq // self.k_splits)
+        block = self.pages_per_compute_block
+        per_split = 1 << (per_split - 1).bit_length() if per_split <= block else -(-per_split // block) * block
+        return per_split * self.k_splits
+
+
+def choose_kernels(choice: str, dtype, platform: str | None = None) -> AttentionKernels:
+    """`choice` is EngineConfig.attention: "auto" picks the GPU kernels on a GPU with a 16-bit cache."""
+    platform = platform or jax.default_backend()
+    half = jnp.dtype(dtype).itemsize == 2
+    if choice == "pallas" and platform != "gpu":
+        raise ValueError(f"attention='pallas' needs a GPU (this is {platform}); use 'jax' or 'auto'")
+    gpu_fast = platform == "gpu" and half
+    decode = "pallas" if choice == "pallas" or (choice == "auto" and gpu_fast) else "jax"
+    return AttentionKernels(decode=decode, prefill="cudnn" if gpu_fast and choice != "jax" else "xla")
+
+
+def decode_attention(
+    kernels: AttentionKernels,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """q `[batch, heads, head_dim]` against the first `lengths[b]` tokens of each sequence's pages.
+
+    `k_pages`/`v_pages`: `[kv_heads, pages, page_size, head_dim]`; `block_tables`: `[batch, width]`.
+    Query heads are grouped kv-head-major (head h uses kv head h // (heads / kv_heads))."""
+    if kernels.decode == "pallas":
+        from marin_rl.engine.kernels.paged_attention import paged_attention
+
+        return paged_attention(
+            (q * scale).astype(k_pages.dtype),
+            k_pages,
+            v_pages,
+            block_tables,
+            lengths,
+            k_splits=kernels.k_splits,
+            pages_per_compute_block=kernels.pages_per_compute_block,
+            interpret=kernels.interpret,
+        ).astype(q.dtype)
+    return gathered_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale)
+
+
+def gathered_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale):
+    """Pure JAX: gather each sequence's pages into `[batch, tokens]` and attend (softmax in float32)."""
+    batch, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    tokens = block_tables.shape[1] * page_size
+    k = k_pages[:, block_tables].reshape(kv_heads, batch, tokens, head_dim)
+    v = v_pages[:, block_tables].reshape(kv_heads, batch, tokens, head_dim)
+    q = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("bkgd,kbtd->bkgt", q, k, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(tokens)[None, :] < lengths[:, None]
+    logits = jnp.where(visible[:, None, None, :], logits, _MASK_VALUE)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgt,kbtd->bkgd", weights, v.astype(jnp.float32))
+    return out.reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+def prefill_attention(kernels: AttentionKernels, q, k, v, lengths, scale: float) -> jax.Array:
+    """Causal attention within each padded prompt: q `[batch, time, heads, head_dim]`, k/v
+    `[batch, time, kv_heads, head_dim]`, `lengths[b]` real tokens in row b (rows past it are ignored)."""
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=kernels.prefill,
+    )

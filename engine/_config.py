@@ -1,0 +1,87 @@
+"""`EngineConfig`: sizes and options of the generation engine (no JAX imports: command lines parse it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_ATTENTION = ("auto", "pallas", "jax")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The generation engine: continuous batching over `max_seqs` slots and a paged KV cache (docs/serving.md)."""
+
+    max_seqs: int = 16
+    """Sequences decoded together (a request with `n` samples takes `n` slots). Requests beyond it wait
+    in a queue and are admitted as soon as slots and KV pages free up."""
+    max_seq_len: int = 1024
+    """Longest prompt + completion in tokens. A request that cannot fit gets HTTP 400."""
+    page_size: int = 16
+    """Tokens per KV-cache page. The `n` samples of a prompt share its full prompt pages."""
+    kv_cache_tokens: int | None = None
+    """KV-cache size in tokens. None: `kv_cache_memory_fraction` if set, else `max_seqs * max_seq_len`
+    (every slot can reach `max_seq_len`)."""
+    kv_cache_memory_fraction: float | None = None
+    """Size the KV cache to this fraction of the device memory free when the engine starts (GPU/TPU).
+    Leave room for the learner when colocated."""
+    max_prefill_tokens: int | None = None
+    """Prompt tokens (padded) prefilled in one device call; None means `max(max_seq_len, 4096)`.
+    Larger values admit more new prompts at once."""
+    precompile_prompt_lens: tuple[int, ...] = ()
+    """At start, compile prefill for every number of prompts of these lengths (their power-of-two
+    buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
+    waits on a compilation. Empty: each shape compiles on first use."""
+    decode_steps: int = 16
+    """Decode steps per device call before the host collects finished sequences and admits new ones."""
+    compute_dtype: str | None = None
+    """Cast the served parameters and the KV cache to this dtype ("float32", "bfloat16", "float16");
+    None keeps the dtype of the model handed over (fp32 from the learner)."""
+    attention: str = "auto"
+    """Decode attention kernel: "pallas" (the Triton paged-attention kernel, GPU), "jax" (gathers the
+    pages, any device), "auto" (pallas on GPU with a 16-bit cache, else jax)."""
+    max_stop_sequences: int = 8
+    """Stop sequences (EOS, stop token ids, tokenized stop strings) checked on device per sequence.
+    Stop strings beyond this are still honoured when the completion is returned."""
+    max_stop_tokens: int = 16
+    """Longest tokenized stop string checked on device (longer ones are honoured on return)."""
+    max_logprobs: int = 20
+    """Largest `prompt_logprobs` (top-k alternatives per prompt token) a request may ask for."""
+    batch_wait_s: float = 0.005
+    """When a request arrives at an idle engine, wait this long for others to prefill with it."""
+    seed: int = 0
+    """Seeds the sampling keys of requests that give no `seed`."""
+
+    def __post_init__(self):
+        for name in ("max_seqs", "max_seq_len", "page_size", "decode_steps", "max_stop_sequences", "max_stop_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:
+            raise ValueError(
+                f"{type(self).__name__}.max_prefill_tokens must be >= max_seq_len ({self.max_seq_len}) so that "
+                f"any prompt fits, got {self.max_prefill_tokens}"
+            )
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError(f"{type(self).__name__}: set kv_cache_tokens or kv_cache_memory_fraction, not both")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(
+                f"{type(self).__name__}.kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
+        if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
+            raise ValueError(f"{type(self).__name__}.compute_dtype must be one of {_DTYPES} or None, got {self.compute_dtype!r}")
+        if any(not 0 < n < self.max_seq_len for n in self.precompile_prompt_lens):
+            raise ValueError(
+                f"{type(self).__name__}.precompile_prompt_lens must be in [1, max_seq_len), got {self.precompile_prompt_lens}"
+            )
+        if self.batch_wait_s < 0:
+            raise ValueError(f"{type(self).__name__}.batch_wait_s must be >= 0, got {self.batch_wait_s}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"{type(self).__name__}.attention must be one of {_ATTENTION}, got {self.attention!r}")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.max_prefill_tokens if self.max_prefill_tokens is not None else max(self.max_seq_len, 4096)

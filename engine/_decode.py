@@ -1,0 +1,168 @@
+"""The engine's compiled device calls: prefill-and-insert, a chunk of decode steps, prompt scoring.
+
+Everything here has static shapes: `max_seqs` decode slots, block tables of a fixed width, prompts
+padded into `[rows, time]` buckets. Which slot holds which request lives on the host (`_scheduler.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from marin_rl.engine._attention import AttentionKernels
+from marin_rl.engine._forward import decode_forward, prefill_forward, prompt_logits
+from marin_rl.engine._kv_cache import KvCache, copy_pages
+from marin_rl.engine._pages import SCRATCH_PAGE
+from marin_rl.engine._sampling import NO_TOKEN, hits_stop, push_history, sample, sample_key_data
+from marin_rl.engine._weights import ServingWeights
+
+
+class SlotState(eqx.Module):
+    """What the device knows of each decode slot."""
+
+    tokens: Int[Array, " slots"]
+    """The last sampled token: the next step's input."""
+    positions: Int[Array, " slots"]
+    """Its position in the sequence (its keys/values are not in the cache yet)."""
+    active: Bool[Array, " slots"]
+    block_tables: Int[Array, "slots width"]
+    """KV pages of the sequence in order; unused entries hold the scratch page."""
+    keys: UInt32[Array, "slots 2"]
+    """Per-sample base key; the token at position p is drawn with fold_in(key, p)."""
+    temperature: Float[Array, " slots"]
+    top_p: Float[Array, " slots"]
+    top_k: Int[Array, " slots"]
+    end_position: Int[Array, " slots"]
+    """A sequence ends once it samples a token at this position (prompt length + max_tokens - 1)."""
+    stops: Int[Array, "slots stops stop_len"]
+    """Stop sequences, right-aligned, left-padded with STOP_PAD."""
+    history: Int[Array, "slots stop_len"]
+    """The last `stop_len` sampled tokens (NO_TOKEN before there are that many)."""
+
+    @staticmethod
+    def empty(slots: int, table_width: int, max_stops: int, stop_len: int) -> SlotState:
+        zeros = lambda: jnp.zeros(slots, jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+        return SlotState(
+            tokens=zeros(),
+            positions=zeros(),
+            active=jnp.zeros(slots, bool),
+            block_tables=jnp.full((slots, table_width), SCRATCH_PAGE, jnp.int32),
+            keys=jnp.zeros((slots, 2), jnp.uint32),
+            temperature=jnp.ones(slots, jnp.float32),
+            top_p=jnp.ones(slots, jnp.float32),
+            top_k=zeros(),
+            end_position=zeros(),
+            stops=jnp.full((slots, max_stops, stop_len), -1, jnp.int32),
+            history=jnp.full((slots, stop_len), NO_TOKEN, jnp.int32),
+        )
+
+
+class PrefillBatch(eqx.Module):
+    """New prompts to prefill and the slots their samples take (host-built numpy arrays)."""
+
+    token_ids: Int[Array, "rows time"]
+    lengths: Int[Array, " rows"]
+    """Prompt length of each row (0 for padding rows)."""
+    write_pages: Int[Array, "rows time"]
+    """Page each prompt token's keys/values go to; out of range (dropped) for padding."""
+    copy_src: Int[Array, " slots"]
+    """Partial last prompt pages copied to the other samples of the prompt: page copy_src[i] ->
+    copy_dst[i] (out-of-range dst: no copy)."""
+    copy_dst: Int[Array, " slots"]
+    is_new: Bool[Array, " slots"]
+    prompt_row: Int[Array, " slots"]
+    """Row of `token_ids` a new slot samples from."""
+    block_tables: Int[Array, "slots width"]
+    seed_keys: UInt32[Array, "slots 2"]
+    sample_index: Int[Array, " slots"]
+    temperature: Float[Array, " slots"]
+    top_p: Float[Array, " slots"]
+    top_k: Int[Array, " slots"]
+    end_position: Int[Array, " slots"]
+    stops: Int[Array, "slots stops stop_len"]
+
+
+def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, batch: PrefillBatch, kernels: AttentionKernels):
+    """Prefill the prompts, draw each new sample's first token, and install the new slots.
+
+    Returns `(cache, state, first_tokens, first_logprobs, finished)`, the last three per slot (only the
+    new slots' entries mean anything); a sample whose first token ends it is never active."""
+    logits, cache = prefill_forward(weights, kernels, cache, batch.token_ids, batch.lengths, batch.write_pages)
+    cache = copy_pages(cache, batch.copy_src, batch.copy_dst)
+    positions = batch.lengths[batch.prompt_row]  # the first sampled token follows the prompt
+    keys = sample_key_data(batch.seed_keys, batch.sample_index)
+    tokens, logprobs = sample(logits[batch.prompt_row], keys, positions, batch.temperature, batch.top_p, batch.top_k)
+    history = push_history(jnp.full_like(state.history, NO_TOKEN), tokens, batch.is_new)
+    finished = hits_stop(history, batch.stops) | (positions >= batch.end_position)
+    new = SlotState(
+        tokens=tokens,
+        positions=positions,
+        active=~finished,
+        block_tables=batch.block_tables,
+        keys=keys,
+        temperature=batch.temperature,
+        top_p=batch.top_p,
+        top_k=batch.top_k,
+        end_position=batch.end_position,
+        stops=batch.stops,
+        history=history,
+    )
+
+    def merge(fresh, old):
+        mask = batch.is_new.reshape(batch.is_new.shape + (1,) * (fresh.ndim - 1))
+        return jnp.where(mask, fresh, old)
+
+    return cache, jax.tree.map(merge, new, state), tokens, logprobs, finished
+
+
+def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kernels: AttentionKernels, steps: int, slots_used: int):
+    """`steps` decode steps for the first `slots_used` slots (idle ones among them compute but write
+    only to the scratch page; the host fills slots from the lowest index, so few requests cost little).
+
+    Returns `(cache, state, tokens [slots_used, steps], logprobs [slots_used, steps])`; a slot's token
+    is -1 at the steps it was not active."""
+    full_state = state
+    state = jax.tree.map(lambda x: x[:slots_used], full_state)
+    page_size = cache.keys[0].shape[2]
+    slots = jnp.arange(slots_used)
+
+    def step(carry, _):
+        cache, s = carry
+        write_pages = jnp.where(s.active, s.block_tables[slots, s.positions // page_size], SCRATCH_PAGE)
+        logits, cache = decode_forward(weights, kernels, cache, s.tokens, s.positions, s.block_tables, write_pages)
+        next_positions = s.positions + 1
+        tokens, logprobs = sample(logits, s.keys, next_positions, s.temperature, s.top_p, s.top_k)
+        history = push_history(s.history, tokens, s.active)
+        finished = s.active & (hits_stop(history, s.stops) | (next_positions >= s.end_position))
+        emitted = jnp.where(s.active, tokens, -1)
+        s = dataclasses.replace(
+            s,
+            tokens=jnp.where(s.active, tokens, s.tokens),
+            positions=jnp.where(s.active, next_positions, s.positions),
+            history=history,
+            active=s.active & ~finished,
+        )
+        return (cache, s), (emitted, logprobs)
+
+    (cache, state), (tokens, logprobs) = jax.lax.scan(step, (cache, state), None, length=steps)
+    state = jax.tree.map(lambda full, used: full.at[:slots_used].set(used), full_state, state)
+    return cache, state, tokens.T, logprobs.T
+
+
+def deactivate(state: SlotState, slots_mask: Bool[Array, " slots"]) -> SlotState:
+    """Stop the masked slots (their requests were cancelled)."""
+    return dataclasses.replace(state, active=state.active & ~slots_mask)
+
+
+def score_prompt(weights: ServingWeights, kernels: AttentionKernels, token_ids, length, top_k: int):
+    """Log-prob, rank and top-k alternatives of each prompt token after the first (`token_ids` `[1, t]`
+    padded at the end; causal attention makes the padding irrelevant)."""
+    logp = jax.nn.log_softmax(prompt_logits(weights, kernels, token_ids, length)[0, :-1], axis=-1)
+    token_logp = jnp.take_along_axis(logp, token_ids[0, 1:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(logp > token_logp[:, None], axis=-1)
+    top_logp, top_ids = jax.lax.top_k(logp, top_k)
+    return token_logp, ranks, top_ids, top_logp

@@ -1,0 +1,310 @@
+"""`Engine`: one thread that owns the weights, the KV cache and the decode slots, and runs the loop.
+
+Each turn of the loop: install swapped-in weights, stop abandoned requests, admit queued jobs (one
+batched prefill that also draws their first tokens), then run a chunk of decode steps for every
+active slot and hand finished completions back. Weights swapped in while sequences are decoding
+serve their remaining tokens; a request admitted after a swap sees only the new weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marin_rl.engine._attention import choose_kernels
+from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_chunk, prefill_insert, score_prompt
+from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
+from marin_rl.engine._pages import PageAllocator
+from marin_rl.engine._request import GenerationJob, PromptScores
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Scheduler, bucket, complete
+from marin_rl.engine._weights import ServingWeights, check_same_architecture, serving_weights
+
+logger = logging.getLogger(__name__)
+
+MIN_DECODE_SLOTS = 8
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (read them from any thread)."""
+
+    requests: int = 0
+    completed: int = 0
+    errors: int = 0
+    """Device calls that failed (their requests were answered with the error)."""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    active_slots: int = 0
+    queued: int = 0
+
+
+class Engine:
+    """Generate for `GenerationJob`s on a Levanter LM: `submit`, `swap`, `stop`.
+
+    `device_lock`, when given, is held around every device call (and until its results are back): a
+    learner training on the same GPU holds it around its steps, so the two never run kernels at once
+    (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
+    """
+
+    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.Lock | None = None):
+        self.config = config
+        self._lock = device_lock or contextlib.nullcontext()
+        with self._lock:
+            self._weights = serving_weights(model, config.compute_dtype)
+        if config.max_seq_len > model.Pos.size:
+            raise ValueError(
+                f"max_seq_len={config.max_seq_len} exceeds the model's context length {model.Pos.size} (its config's seq_len)"
+            )
+        attention = self._weights.attention_config
+        self.kernels = choose_kernels(config.attention, self._weights.dtype)
+        self.cache_spec = plan_kv_cache(
+            config,
+            num_layers=len(self._weights.layers),
+            kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_size,
+            dtype=self._weights.dtype,
+        )
+        self.table_width = self.kernels.table_width(config.pages_per_seq)
+        self._top_k = max(1, min(config.max_logprobs, self._weights.Vocab.size))
+        self._prefill = eqx.filter_jit(prefill_insert, donate="all-except-first")
+        self._decode = eqx.filter_jit(decode_chunk, donate="all-except-first")
+        self._deactivate = eqx.filter_jit(deactivate, donate="all")
+        self._score = eqx.filter_jit(score_prompt)
+        self._reset_device_state()
+        if config.precompile_prompt_lens:
+            self._precompile(config.precompile_prompt_lens)
+        self._policy_version = policy_version
+        self.stats = EngineStats(pages_total=self.pages.capacity)
+        self._inbox: collections.deque[GenerationJob] = collections.deque()
+        self._swaps: collections.deque[tuple[ServingWeights, int, threading.Event]] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="marin-rl-engine", daemon=True)
+        self._thread.start()
+        logger.info(
+            "engine: %d slots, KV cache %d tokens (%.2f GiB, pages of %d), decode attention %s, prefill %s",
+            config.max_seqs,
+            self.cache_spec.tokens,
+            self.cache_spec.gib,
+            config.page_size,
+            self.kernels.decode,
+            self.kernels.prefill,
+        )
+
+    def _reset_device_state(self) -> None:
+        with self._lock:
+            self._cache = KvCache.zeros(self.cache_spec)
+            self._state = SlotState.empty(self.config.max_seqs, self.table_width, self.config.max_stop_sequences, self.config.max_stop_tokens)
+        self.pages = PageAllocator(self.cache_spec.num_pages)
+        self.scheduler = Scheduler(self.config, self.pages, self.table_width)
+
+    def _precompile(self, prompt_lens) -> None:
+        """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""
+        start = time.perf_counter()
+        config, shapes = self.config, 0
+        for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
+            rows = 1
+            while rows <= bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
+                batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in self.scheduler.empty_batch(rows, time_bucket).items()})
+                with self._lock:
+                    self._cache, self._state, *_ = self._prefill(self._weights, self._cache, self._state, batch, self.kernels)
+                rows, shapes = 2 * rows, shapes + 1
+        slots = MIN_DECODE_SLOTS
+        while True:
+            slots_used = min(slots, config.max_seqs)
+            with self._lock:
+                self._cache, self._state, *_ = self._decode(self._weights, self._cache, self._state, self.kernels, config.decode_steps, slots_used)
+            shapes += 1
+            if slots_used == config.max_seqs:
+                break
+            slots *= 2
+        jax.block_until_ready(self._state)
+        logger.info("engine: compiled %d shapes in %.1fs", shapes, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------------- API
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def compiled_variants(self) -> dict[str, int]:
+        """How many shapes each device call was compiled for (a weight swap must not add any)."""
+        calls = {"prefill": self._prefill, "decode": self._decode, "deactivate": self._deactivate, "score": self._score}
+        return {name: fn._cached._cache_size() for name, fn in calls.items()}
+
+    def check_job(self, job: GenerationJob) -> None:
+        """ValueError naming what makes `job` impossible for this engine."""
+        config = self.config
+        if not job.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if job.n < 1 or job.n > config.max_seqs:
+            raise ValueError(f"n={job.n} must be in [1, max_seqs={config.max_seqs}]")
+        if job.max_tokens < 1 or len(job.prompt_ids) + job.max_tokens > config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.max_tokens}) exceeds max_seq_len={config.max_seq_len}"
+            )
+        vocab = self._weights.Vocab.size
+        if min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(job.stop_sequences) > config.max_stop_sequences or any(
+            not 0 < len(s) <= config.max_stop_tokens for s in job.stop_sequences
+        ):
+            raise ValueError(f"at most {config.max_stop_sequences} stop sequences of 1 to {config.max_stop_tokens} tokens")
+        shared, own = self.scheduler.pages_needed(job)
+        if shared + job.n * own > self.pages.capacity:
+            raise ValueError(f"the request needs {shared + job.n * own} KV pages, the cache has {self.pages.capacity}")
+
+    def submit(self, job: GenerationJob):
+        """Queue `job`; its future gets a `JobResult` (or the error of a failed device call)."""
+        self.check_job(job)
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the inference engine is shut down")
+            job.submitted_at = time.perf_counter()
+            self._inbox.append(job)
+            self.stats.requests += 1
+            self._cv.notify()
+        return job.future
+
+    def swap(self, model, policy_version: int, wait: bool = True) -> None:
+        """Serve `model` (same architecture) from the next device call on; `wait` blocks until installed.
+        Requests admitted after this returns use only the new weights (or newer)."""
+        self.install(self.prepare(model), policy_version, wait)
+
+    def prepare(self, model) -> ServingWeights:
+        """The engine's own copy of `model`'s weights; ValueError unless it has the served architecture."""
+        with self._lock:
+            weights = serving_weights(model, self.config.compute_dtype)
+        check_same_architecture(self._weights, weights)
+        return weights
+
+    def install(self, weights: ServingWeights, policy_version: int, wait: bool = True) -> None:
+        """Serve `weights` (from `prepare`) from the next device call on."""
+        installed = threading.Event()
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the inference engine is shut down")
+            self._swaps.append((weights, policy_version, installed))
+            self._cv.notify()
+        if wait:
+            installed.wait()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    # --------------------------------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopped or self._inbox or self._swaps or self.scheduler.queue or not self.scheduler.idle):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                if self.scheduler.idle and not self.scheduler.queue and self.config.batch_wait_s > 0:
+                    # The first request after a quiet spell: let the others sent with it arrive, so that
+                    # their prompts are prefilled together.
+                    self._cv.wait(self.config.batch_wait_s)
+                swaps, self._swaps = list(self._swaps), collections.deque()
+                self.scheduler.queue.extend(self._inbox)
+                self._inbox.clear()
+            for weights, version, installed in swaps:
+                self._weights, self._policy_version = weights, version
+                installed.set()
+            scheduler = self.scheduler
+            try:
+                self._turn(scheduler)
+            except Exception as e:  # every request in flight gets the error; the engine starts afresh
+                logger.exception("inference engine failure; its requests get the error and the engine is reset")
+                self.stats.errors += 1
+                scheduler.fail_all(e)
+                self._reset_device_state()
+            self._publish()
+        with self._cv:
+            pending = list(self._inbox) + list(self.scheduler.queue)
+            swaps = list(self._swaps)
+        for job in pending:
+            job.future.cancel()
+        self.scheduler.fail_all(RuntimeError("the inference engine shut down"))
+        for _, _, installed in swaps:
+            installed.set()
+
+    def _turn(self, scheduler: Scheduler) -> None:
+        abandoned = scheduler.cancel_abandoned()
+        if abandoned:
+            mask = np.zeros(self.config.max_seqs, bool)
+            mask[abandoned] = True
+            with self._lock:
+                self._state = self._deactivate(self._state, jnp.asarray(mask))
+        admission = scheduler.admit(self._policy_version, self._score_job)
+        if admission is not None:
+            start = time.perf_counter()
+            with self._lock:
+                batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in admission.arrays.items()})
+                self._cache, self._state, tokens, logprobs, finished = self._prefill(
+                    self._weights, self._cache, self._state, batch, self.kernels
+                )
+                tokens, logprobs, finished = jax.device_get((tokens, logprobs, finished))
+            self.stats.prefill_seconds += time.perf_counter() - start
+            self.stats.prefill_calls += 1
+            self.stats.prompt_tokens += int(admission.arrays["lengths"].sum())
+            self.stats.generated_tokens += len(admission.new_slots)
+            self._complete(scheduler.record_first(admission, tokens, logprobs, finished))
+        if scheduler.num_active:
+            # Powers of two (few compiles): no more steps than any active sample may still need, and
+            # only the slots up to the highest one in use.
+            steps = min(self.config.decode_steps, bucket(scheduler.remaining_tokens()))
+            slots_used = min(self.config.max_seqs, bucket(scheduler.highest_slot() + 1, MIN_DECODE_SLOTS))
+            start = time.perf_counter()
+            with self._lock:
+                self._cache, self._state, tokens, logprobs = self._decode(
+                    self._weights, self._cache, self._state, self.kernels, steps, slots_used
+                )
+                tokens, logprobs, active = jax.device_get((tokens, logprobs, self._state.active[:slots_used]))
+            self.stats.decode_seconds += time.perf_counter() - start
+            self.stats.decode_calls += 1
+            self.stats.decode_steps += steps
+            self.stats.generated_tokens += int((tokens >= 0).sum())
+            self._complete(scheduler.record_chunk(tokens, logprobs, active))
+        if scheduler.idle:
+            self.pages.check_idle()
+
+    def _complete(self, jobs) -> None:
+        for running in jobs:
+            complete(running.job.future, running.result())
+            self.stats.completed += 1
+
+    def _publish(self) -> None:
+        self.stats.pages_in_use = self.pages.num_used
+        self.stats.active_slots = self.scheduler.num_active
+        self.stats.queued = len(self.scheduler.queue) + len(self._inbox)
+
+    def _score_job(self, job: GenerationJob) -> PromptScores:
+        n = len(job.prompt_ids)
+        tokens = np.zeros((1, bucket(n, MIN_PREFILL_TIME)), np.int32)
+        tokens[0, :n] = job.prompt_ids
+        with self._lock:
+            out = self._score(self._weights, self.kernels, jnp.asarray(tokens), jnp.asarray([n], jnp.int32), self._top_k)
+            logp, ranks, top_ids, top_logp = jax.device_get(out)
+        k = job.prompt_logprobs
+        return PromptScores(logp[: n - 1], ranks[: n - 1], top_ids[: n - 1, :k], top_logp[: n - 1, :k])

@@ -1,0 +1,123 @@
+"""The transformer forward passes of the engine, on `ServingWeights` (Levanter's own layer modules).
+
+Each layer is Levanter's decoder layer written out with the attention call replaced: the projections,
+q/k norms (Qwen3), rotary embeddings, MLP and norms are the learner's code, so the engine's log-probs
+are the learner's. Layers are unrolled (each has its own weights and KV arrays).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+
+from marin_rl.engine._attention import AttentionKernels, decode_attention, prefill_attention
+from marin_rl.engine._kv_cache import KvCache, write_tokens
+from marin_rl.engine._weights import ServingWeights
+
+# attend(layer_index, q [b, t, heads, d], k [b, t, kv_heads, d], v) -> [b, t, heads, d]
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def attention_scale(weights: ServingWeights) -> float:
+    config = weights.attention_config
+    return config.scaling_factor if config.scaling_factor is not None else 1.0 / math.sqrt(config.head_size)
+
+
+def hidden_states(weights: ServingWeights, token_ids: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+    """Final-norm hidden states `[b, t, embed]` of tokens `[b, t]` at `positions` `[b, t]`."""
+    names = ("batch", "position")
+    x = weights.embeddings.embed(hax.named(token_ids, names))
+    pos_ids = hax.named(positions, names)
+    for i, layer in enumerate(weights.layers):
+        residual = x
+        h = layer.input_layernorm(x)
+        q, k, v = layer.self_attn._compute_qkv(h, key=None, pos_ids=pos_ids)
+        b, t = token_ids.shape
+        q = q.rearrange((*names, "kv_head", "q_heads_per_group", "head_size")).array
+        q = q.reshape(b, t, -1, q.shape[-1])  # heads kv-head-major, as Levanter flattens them
+        k = k.rearrange((*names, "kv_head", "head_size")).array
+        v = v.rearrange((*names, "kv_head", "head_size")).array
+        out = hax.named(attend(i, q, k, v).astype(x.dtype), (*names, "heads", "head_size"))
+        out = layer.self_attn.o_proj(out, key=None)
+        if getattr(layer, "post_attn_layernorm", None) is not None:
+            out = layer.post_attn_layernorm(out)
+        x = residual + out
+        residual = x
+        out = layer.mlp(layer.post_attention_layernorm(x), key=None)
+        if getattr(layer, "post_mlp_layernorm", None) is not None:
+            out = layer.post_mlp_layernorm(out)
+        x = residual + out
+    return weights.norm(x).rearrange((*names, "embed")).array
+
+
+def logits_of(weights: ServingWeights, hidden: jax.Array) -> jax.Array:
+    """float32 logits `[..., vocab]` of hidden states `[..., embed]` (as the learner computes them)."""
+    return jnp.einsum("...e,ve->...v", hidden, weights.lm_head.array, preferred_element_type=jnp.float32)
+
+
+def decode_forward(
+    weights: ServingWeights,
+    kernels: AttentionKernels,
+    cache: KvCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    write_pages: jax.Array,
+) -> tuple[jax.Array, KvCache]:
+    """One token per sequence: write its keys/values at `positions` into page `write_pages[b]`
+    (the scratch page for idle slots), attend to the sequence so far; float32 logits `[b, vocab]`."""
+    page_size = cache.keys[0].shape[2]
+    scale = attention_scale(weights)
+    offsets = positions % page_size
+    lengths = (positions + 1).astype(jnp.int32)
+    keys, values = [], []
+
+    def attend(i, q, k, v):
+        keys.append(write_tokens(cache.keys[i], k[:, 0], write_pages, offsets))
+        values.append(write_tokens(cache.values[i], v[:, 0], write_pages, offsets))
+        return decode_attention(kernels, q[:, 0], keys[i], values[i], block_tables, lengths, scale)[:, None]
+
+    hidden = hidden_states(weights, tokens[:, None], positions[:, None], attend)
+    return logits_of(weights, hidden[:, 0]), KvCache(tuple(keys), tuple(values))
+
+
+def prefill_forward(
+    weights: ServingWeights,
+    kernels: AttentionKernels,
+    cache: KvCache,
+    token_ids: jax.Array,
+    lengths: jax.Array,
+    write_pages: jax.Array,
+) -> tuple[jax.Array, KvCache]:
+    """Whole prompts `[p, t]` (row r holds `lengths[r]` tokens, then padding): write every token's
+    keys/values into page `write_pages[r, t]` (out of range for padding: dropped); float32 logits
+    `[p, vocab]` of each prompt's last token."""
+    p, t = token_ids.shape
+    page_size = cache.keys[0].shape[2]
+    scale = attention_scale(weights)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    offsets = (positions % page_size).reshape(-1)
+    pages = write_pages.reshape(-1)
+    keys, values = [], []
+
+    def attend(i, q, k, v):
+        keys.append(write_tokens(cache.keys[i], k.reshape(p * t, *k.shape[2:]), pages, offsets))
+        values.append(write_tokens(cache.values[i], v.reshape(p * t, *v.shape[2:]), pages, offsets))
+        return prefill_attention(kernels, q, k, v, lengths, scale)
+
+    hidden = hidden_states(weights, token_ids, positions, attend)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return logits_of(weights, last), KvCache(tuple(keys), tuple(values))
+
+
+def prompt_logits(weights: ServingWeights, kernels: AttentionKernels, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    """float32 logits `[p, t, vocab]` at every position of padded prompts, without a KV cache."""
+    p, t = token_ids.shape
+    scale = attention_scale(weights)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    hidden = hidden_states(weights, token_ids, positions, lambda i, q, k, v: prefill_attention(kernels, q, k, v, lengths, scale))
+    return logits_of(weights, hidden)

@@ -1,0 +1,265 @@
+"""The host side of continuous batching: the request queue, which slot holds which sample, KV pages.
+
+`Scheduler.admit` takes queued jobs in order while slots, pages and the prefill budget last (a job
+that does not fit waits at the head of the queue, so large requests are not starved) and builds the
+arrays of one prefill call. `record_*` take what the device returned, and a sample that finished frees
+its slot and pages at once. All pages a sample can ever need (prompt + max_tokens) are reserved when
+it is admitted, so decoding never runs out of pages; the `n` samples of a prompt share its full
+prompt pages and each gets its own copy of a partial last page.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._pages import SCRATCH_PAGE, PageAllocator
+from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
+from marin_rl.engine._sampling import STOP_PAD, seed_key_data
+
+MIN_PREFILL_TIME = 16
+
+
+def bucket(size: int, minimum: int = 1) -> int:
+    """The power of two >= size (at least `minimum`): padded shapes compile once per bucket."""
+    return max(minimum, 1 << max(0, size - 1).bit_length())
+
+
+@dataclass
+class RunningJob:
+    job: GenerationJob
+    policy_version: int
+    """Version of the weights when it was admitted (the oldest that produces its tokens)."""
+    prompt_scores: PromptScores | None
+    shared_pages: list[int]
+    """Full prompt pages, one reference per unfinished sample."""
+    own_pages: list[list[int]]
+    """Per sample: its copy of a partial last prompt page, then the pages its completion fills."""
+    slots: list[int | None]
+    """Slot of each sample; None once it finished."""
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+
+    def result(self) -> JobResult:
+        samples = [Sample(t, lp) for t, lp in zip(self.tokens, self.logprobs)]
+        return JobResult(samples, self.prompt_scores, self.policy_version)
+
+
+@dataclass
+class Admission:
+    """One prefill call: its jobs and the arrays of a `PrefillBatch`."""
+
+    jobs: list[RunningJob]
+    arrays: dict[str, np.ndarray]
+    new_slots: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, table_width: int):
+        self.config = config
+        self.pages = allocator
+        self.table_width = table_width
+        self.queue: collections.deque[GenerationJob] = collections.deque()
+        self.slots: list[tuple[RunningJob, int] | None] = [None] * config.max_seqs
+        self.running: list[RunningJob] = []
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def num_active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running
+
+    def pages_needed(self, job: GenerationJob) -> tuple[int, int]:
+        """(shared full prompt pages, pages of each sample of its own) that `job` reserves."""
+        size = self.config.page_size
+        prompt = len(job.prompt_ids)
+        shared = prompt // size
+        # The last sampled token is never written to the cache: positions up to prompt + max_tokens - 2.
+        return shared, -(-(prompt + job.max_tokens - 1) // size) - shared
+
+    def highest_slot(self) -> int:
+        """The highest slot index in use (-1 when none)."""
+        return max((i for i, s in enumerate(self.slots) if s is not None), default=-1)
+
+    def remaining_tokens(self) -> int:
+        """The most tokens any active sample may still produce."""
+        most = 0
+        for entry in self.slots:
+            if entry is not None:
+                running, i = entry
+                most = max(most, running.job.max_tokens - len(running.tokens[i]))
+        return most
+
+    # -------------------------------------------------------------------------------------- admission
+
+    def admit(self, policy_version: int, score) -> Admission | None:
+        """Admit queued jobs (FIFO) into free slots; None when nothing can be admitted now.
+
+        `score(job) -> PromptScores` is called for jobs that ask for prompt logprobs."""
+        config = self.config
+        free_slots = [i for i, s in enumerate(self.slots) if s is None]
+        chosen: list[GenerationJob] = []
+        free_pages = self.pages.num_free
+        longest = 0
+        while self.queue:
+            job = self.queue[0]
+            if job.future.cancelled():
+                self.queue.popleft()
+                continue
+            shared, own = self.pages_needed(job)
+            if job.n > len(free_slots) - sum(j.n for j in chosen) or shared + job.n * own > free_pages:
+                break
+            rows, time = bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
+            if chosen and rows * time > config.prefill_tokens:
+                break
+            self.queue.popleft()
+            chosen.append(job)
+            free_pages -= shared + job.n * own
+            longest = max(longest, len(job.prompt_ids))
+        if not chosen:
+            return None
+        return self._build(chosen, free_slots, policy_version, score)
+
+    def empty_batch(self, rows: int, time: int) -> dict[str, np.ndarray]:
+        """The arrays of a `PrefillBatch` that changes nothing: no prompt token written, no slot new."""
+        config, slots, num_pages = self.config, self.config.max_seqs, self.pages.num_pages
+        return {
+            "token_ids": np.zeros((rows, time), np.int32),
+            "lengths": np.zeros(rows, np.int32),
+            "write_pages": np.full((rows, time), num_pages, np.int32),
+            "copy_src": np.full(slots, SCRATCH_PAGE, np.int32),
+            "copy_dst": np.full(slots, num_pages, np.int32),
+            "is_new": np.zeros(slots, bool),
+            "prompt_row": np.zeros(slots, np.int32),
+            "block_tables": np.full((slots, self.table_width), SCRATCH_PAGE, np.int32),
+            "seed_keys": np.zeros((slots, 2), np.uint32),
+            "sample_index": np.zeros(slots, np.int32),
+            "temperature": np.ones(slots, np.float32),
+            "top_p": np.ones(slots, np.float32),
+            "top_k": np.zeros(slots, np.int32),
+            "end_position": np.zeros(slots, np.int32),
+            "stops": np.full((slots, config.max_stop_sequences, config.max_stop_tokens), STOP_PAD, np.int32),
+        }
+
+    def _build(self, chosen: list[GenerationJob], free_slots: list[int], policy_version: int, score) -> Admission:
+        config, size = self.config, self.config.page_size
+        rows, time = bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
+        a = self.empty_batch(rows, time)
+        admitted, new_slots, copies = [], [], 0
+        slot_iter = iter(free_slots)
+        for row, job in enumerate(chosen):
+            prompt = len(job.prompt_ids)
+            shared_count, own_count = self.pages_needed(job)
+            shared = self.pages.allocate(shared_count)
+            for _ in range(job.n - 1):
+                self.pages.share(shared)
+            own = [self.pages.allocate(own_count) for _ in range(job.n)]
+            scores = score(job) if job.prompt_logprobs is not None else None
+            running = RunningJob(job, policy_version, scores, shared, own, [None] * job.n, [[] for _ in range(job.n)], [[] for _ in range(job.n)])
+            a["token_ids"][row, :prompt] = job.prompt_ids
+            a["lengths"][row] = prompt
+            a["write_pages"][row, :prompt] = np.repeat(shared + own[0], size)[:prompt]
+            stops = np.full((config.max_stop_sequences, config.max_stop_tokens), STOP_PAD, np.int32)
+            for k, seq in enumerate(job.stop_sequences):
+                stops[k, config.max_stop_tokens - len(seq) :] = seq
+            for i in range(job.n):
+                slot = next(slot_iter)
+                running.slots[i] = slot
+                self.slots[slot] = (running, i)
+                new_slots.append(slot)
+                table = shared + own[i]
+                a["is_new"][slot] = True
+                a["prompt_row"][slot] = row
+                a["block_tables"][slot, : len(table)] = table
+                a["seed_keys"][slot] = seed_key_data(job.seed)
+                a["sample_index"][slot] = i
+                a["temperature"][slot] = job.temperature
+                a["top_p"][slot] = job.top_p
+                a["top_k"][slot] = job.top_k
+                a["end_position"][slot] = prompt + job.max_tokens - 1
+                a["stops"][slot] = stops
+                if i > 0 and prompt % size:  # each sample writes its own copy of the partial prompt page
+                    a["copy_src"][copies], a["copy_dst"][copies] = own[0][0], own[i][0]
+                    copies += 1
+            self.running.append(running)
+            admitted.append(running)
+        return Admission(admitted, a, new_slots)
+
+    # ---------------------------------------------------------------------------------------- results
+
+    def record_first(self, admission: Admission, tokens: np.ndarray, logprobs: np.ndarray, finished: np.ndarray) -> list[RunningJob]:
+        """The first token of each new sample; returns the jobs that completed."""
+        now = time.perf_counter()
+        for running in admission.jobs:
+            running.job.first_token_at = now
+        done = []
+        for slot in admission.new_slots:
+            running, i = self.slots[slot]
+            running.tokens[i].append(int(tokens[slot]))
+            running.logprobs[i].append(float(logprobs[slot]))
+            if finished[slot] and self._finish(slot):
+                done.append(running)
+        return done
+
+    def record_chunk(self, tokens: np.ndarray, logprobs: np.ndarray, active: np.ndarray) -> list[RunningJob]:
+        """A decode chunk's tokens `[slots_used, steps]` (-1 where inactive) and which of those slots are
+        still active (slots past `slots_used` are all free)."""
+        done = []
+        for slot, entry in enumerate(self.slots[: len(active)]):
+            if entry is None:
+                continue
+            running, i = entry
+            emitted = tokens[slot] >= 0
+            running.tokens[i].extend(tokens[slot][emitted].tolist())
+            running.logprobs[i].extend(logprobs[slot][emitted].tolist())
+            if not active[slot] and self._finish(slot):
+                done.append(running)
+        return done
+
+    def _finish(self, slot: int) -> bool:
+        """Free a finished sample's slot and pages; True when its job has no unfinished sample left."""
+        running, i = self.slots[slot]
+        self.slots[slot] = None
+        running.slots[i] = None
+        self.pages.release(running.shared_pages + running.own_pages[i])
+        if any(s is not None for s in running.slots):
+            return False
+        self.running.remove(running)
+        return True
+
+    def cancel_abandoned(self) -> list[int]:
+        """Stop the samples of running jobs whose futures were cancelled (request timed out); returns
+        their slots, which the device must deactivate."""
+        freed = []
+        for running in [r for r in self.running if r.job.future.cancelled()]:
+            for slot in [s for s in running.slots if s is not None]:
+                self._finish(slot)
+                freed.append(slot)
+        return freed
+
+    def fail_all(self, error: BaseException) -> None:
+        """Answer every running job with `error` and free everything they held."""
+        for running in list(self.running):
+            for slot in [s for s in running.slots if s is not None]:
+                self._finish(slot)
+            complete(running.job.future, error=error)
+
+
+def complete(future: concurrent.futures.Future, result: JobResult | None = None, error: BaseException | None = None) -> None:
+    """Set a job's outcome unless it was cancelled meanwhile (its request gave up)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass

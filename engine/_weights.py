@@ -1,0 +1,98 @@
+"""`ServingWeights`: the engine's own copy of a Levanter LM's weights, one module per layer.
+
+The learner keeps its layers stacked (one array per parameter with a leading layer axis, run under a
+scan). The engine unrolls its decode step over layers instead, so each layer's weights are separate
+arrays: no slice of a stacked array is copied per step. The modules are Levanter's own (embedding,
+decoder layers, norms), so the engine computes exactly what the learner does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+import marin_rl._compat  # noqa: F401  (haliax/JAX version workarounds)
+
+
+class ServingWeights(eqx.Module):
+    embeddings: Any
+    """Levanter's embedding module (`embed(ids)`: token embedding, plus its norm where the family has one)."""
+    layers: tuple
+    """One Levanter decoder layer per transformer layer, in order."""
+    norm: Any
+    """The final norm."""
+    lm_head: NamedArray
+    """[vocab, embed]; the token embedding itself when the model ties them."""
+    config: Any = eqx.field(static=True)
+    """The Levanter model config (attention sizes, rope)."""
+
+    @property
+    def Vocab(self):
+        return self.lm_head.resolve_axis("vocab")
+
+    @property
+    def attention_config(self):
+        return self.layers[0].self_attn.config
+
+    @property
+    def dtype(self):
+        return self.lm_head.dtype
+
+
+def _layer_modules(model) -> tuple:
+    layers = model.transformer.layers
+    return tuple(layers.unstacked()) if hasattr(layers, "unstacked") else tuple(layers.blocks)
+
+
+def check_supported(model) -> None:
+    """Raise ValueError for models the engine's forward pass does not reproduce exactly."""
+    config = _layer_modules(model)[0].self_attn.config
+    if config.logits_soft_cap is not None:
+        raise ValueError("the generation engine does not support attention logits_soft_cap")
+    if getattr(model.config, "sliding_window", None) is not None and getattr(model.config, "use_sliding_window", False):
+        raise ValueError("the generation engine does not support sliding-window attention")
+
+
+@eqx.filter_jit
+def _serving_weights(model, dtype) -> ServingWeights:
+    def cast(x):
+        if eqx.is_inexact_array(x) and dtype is not None:
+            return x.astype(dtype)
+        return x
+
+    weights = ServingWeights(
+        embeddings=model.embeddings,
+        layers=_layer_modules(model),
+        norm=model.transformer.norm,
+        lm_head=model.get_lm_head().rearrange(("vocab", model.Embed)),
+        config=model.config,
+    )
+    # `+ 0` makes every leaf a fresh buffer even where no cast happens: the learner may donate or
+    # overwrite its arrays after handing the model over.
+    return jax.tree.map(lambda x: cast(x) + 0 if eqx.is_array(x) else x, weights)
+
+
+def serving_weights(model, compute_dtype: str | None) -> ServingWeights:
+    """The engine's copy of `model`'s weights, floating ones cast to `compute_dtype` (None keeps them)."""
+    check_supported(model)
+    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else None
+    return jax.block_until_ready(_serving_weights(model, dtype))
+
+
+def check_same_architecture(served: ServingWeights, new: ServingWeights) -> None:
+    """Raise ValueError unless `new` has the served weights' structure, shapes and dtypes (anything else
+    would recompile the engine's kernels or fail inside them)."""
+    served_leaves, served_def = jax.tree.flatten(served)
+    new_leaves, new_def = jax.tree.flatten(new)
+    if served_def != new_def:
+        raise ValueError(
+            "new weights have a different model structure or config than the served model "
+            f"(served config {served.config}, new config {new.config})"
+        )
+    for i, (a, b) in enumerate(zip(served_leaves, new_leaves)):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            raise ValueError(f"new weights: leaf {i} is {b.dtype}{list(b.shape)}, the served model has {a.dtype}{list(a.shape)}")

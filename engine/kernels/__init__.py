@@ -1,0 +1,1 @@
+"""GPU kernels of the engine (Pallas)."""
