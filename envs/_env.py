@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from marin_rl.envs._chat import Message
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._sampling import Sampler, SamplingParams
+from marin_rl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marin_rl.envs._rewards import EnvMetrics, VerifierThreads
@@ -235,10 +236,10 @@ def resolve_env_class(type_: str) -> type[Env]:
         module_name, _, attr = type_.partition(":")
         cls = getattr(importlib.import_module(module_name), attr, None)
         if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise ValueError(f"env type {type_!r}: {module_name}.{attr} is not an Env subclass (got {cls!r})")
+            raise ConfigError(f"env type {type_!r}: {module_name}.{attr} is not an Env subclass (got {cls!r})")
         return cls
     if type_ not in _ENV_TYPES:
-        raise ValueError(f"unknown env type {type_!r}; registered: {sorted(_ENV_TYPES)} (or use 'package.module:ClassName')")
+        raise ConfigError(f"unknown env type {type_!r}; registered: {sorted(_ENV_TYPES)} (or use 'package.module:ClassName')")
     return _ENV_TYPES[type_]
 
 

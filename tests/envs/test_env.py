@@ -20,7 +20,7 @@ from marin_rl.envs import (
     sample_group,
     xml_tag,
 )
-from marin_rl.errors import PromptTooLong
+from marin_rl.errors import ConfigError, PromptTooLong
 
 
 class Echo(Env):
@@ -265,9 +265,9 @@ def test_build_env_by_name_and_import_path(tokenizer):
     env.tokenizer  # bound
     by_path = build_env("marin_rl.envs._calculator:CalculatorEnv", {"seed": 1}, tokenizer="char")
     assert isinstance(by_path, CalculatorEnv) and by_path.name == "calculator"
-    with pytest.raises(ValueError, match="unknown env type 'nope'.*calculator"):
+    with pytest.raises(ConfigError, match="unknown env type 'nope'.*calculator"):  # one line from the CLI
         build_env("nope")
-    with pytest.raises(ValueError, match="not an Env subclass"):
+    with pytest.raises(ConfigError, match="not an Env subclass"):
         build_env("marin_rl.envs._calculator:calculate")
     with pytest.raises(TypeError, match="cannot build CalculatorEnv"):
         build_env("calculator", {"dat": "x"})
