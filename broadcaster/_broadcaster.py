@@ -25,7 +25,10 @@ class BroadcasterConfig:
     export_dir: str | None = None
     """Where HF checkpoints for remote servers are written (a path they can read); None: RUN_DIR/hf."""
     confirm_timeout_s: float = 600.0
-    """How long a remote server may take to load and confirm a version before the push fails."""
+    """How long a remote server may take to load and confirm a version; one that does not is marked down
+    (not sampled from) until it is back with the newest weights."""
+    reconnect_max_backoff_s: float = 30.0
+    """Longest wait between probes of a remote server that is down (they start at 1 s and double)."""
     keep_exports: int = 2
     """Exported checkpoints kept in `export_dir` (older ones are deleted after a confirmed push)."""
     export_dtype: str | None = None
@@ -51,6 +54,7 @@ class BroadcasterConfig:
                     timeout_s=self.confirm_timeout_s,
                     keep_exports=self.keep_exports,
                     export_dtype=self.export_dtype,
+                    max_backoff_s=self.reconnect_max_backoff_s,
                 )
                 for url in self.remote_servers
             ]
@@ -66,11 +70,21 @@ class Broadcaster:
         self.transports = list(transports)
         self.every_k_steps = every_k_steps
 
+    def start(self, model, policy_version: int) -> None:
+        """Bring every server to `policy_version` before sampling starts: a remote server serves its own
+        checkpoint until then (a fresh run), or a later version of an abandoned run (a resumed one)."""
+        for transport in self.transports:
+            transport.sync(model, policy_version)
+
+    def close(self) -> None:
+        for transport in self.transports:
+            transport.close()
+
     def maybe_broadcast(self, model, policy_version: int) -> dict[str, float]:
         """Push `model` as `policy_version` if it is a k-th step. Metrics are empty when skipped.
 
-        Raises if a server refuses or does not confirm in time: training on with stale servers
-        would silently turn the run off-policy.
+        Raises if a server refuses the update. A remote server that does not answer is marked down
+        (`broadcast/servers_down`) and not sampled from until it is back with the newest weights.
         """
         if policy_version % self.every_k_steps != 0:
             return {}
@@ -81,6 +95,7 @@ class Broadcaster:
             transport.push(model, policy_version)
             metrics[f"broadcast/server{i}_seconds"] = time.perf_counter() - t
         metrics["broadcast/seconds"] = time.perf_counter() - start
+        metrics["broadcast/servers_down"] = float(sum(not t.ready for t in self.transports))
         metrics["broadcast/version"] = float(policy_version)
         logger.info("broadcast policy version %d to %d server(s) in %.2fs", policy_version, len(self.transports), metrics["broadcast/seconds"])
         return metrics

@@ -12,17 +12,24 @@ import abc
 import logging
 import os
 import shutil
+import threading
 import time
 
 import httpx
 
+from marin_rl.errors import PermanentError
 from marin_rl.orchestrator import WEIGHT_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
 
-class WeightUpdateRefused(PermissionError):
-    """The server refused the weight update (missing or wrong token)."""
+class WeightUpdateRefused(PermanentError):
+    """The server refused the weight update: a missing or wrong token (401/403), or it could not load the
+    checkpoint (400). Retrying cannot help."""
+
+
+class _Unreachable(Exception):
+    """The server did not answer (refused, reset, timed out): down or restarting."""
 
 
 class WeightTransport(abc.ABC):
@@ -35,6 +42,19 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def confirmed_version(self) -> int:
         """The policy version the server reports serving now."""
+
+    def sync(self, model, policy_version: int) -> None:
+        """Before any sampling: make a server that may hold other weights (its own checkpoint, a later
+        version of an abandoned run) serve `model` as `policy_version`."""
+        self.push(model, policy_version)
+
+    def close(self) -> None:
+        """Stop any background work."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether the server serves weights of this run (env workers sample only from ready servers)."""
+        return True
 
     @property
     @abc.abstractmethod
@@ -56,6 +76,10 @@ class ColocatedTransport(WeightTransport):
     def push(self, model, policy_version: int) -> None:
         self.server.swap_weights(model, policy_version, wait=False)
 
+    def sync(self, model, policy_version: int) -> None:
+        if self.server.policy_version != policy_version:  # built from the learner's model: usually in sync
+            self.push(model, policy_version)
+
     def confirmed_version(self) -> int:
         return self.server.policy_version
 
@@ -70,7 +94,14 @@ class RemoteTransport(WeightTransport):
     `export_dir` must be readable by the server at the same path. Checkpoints are written to
     `export_dir/policy-{version:08d}/` (temp dir, then rename) with the learner's `save_hf_model`, so
     transports that share `export_dir` write each version once; all but the newest `keep_exports` are
-    deleted after a confirmed push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
+    deleted after each push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
+
+    A server may die and come back. A push to a server that does not answer marks it down instead of
+    failing the run; a watcher thread probes it every `probe_interval_s` (backing off to
+    `max_backoff_s` while it stays away), notices a restart (another `instance` or version than the
+    one confirmed), and pushes the newest version, with `reset` so that any version the restarted
+    process reports is replaced. `sampling_window()` tells env workers whether the server may be
+    sampled from: only once it confirmed weights of this run.
     """
 
     def __init__(
@@ -83,6 +114,8 @@ class RemoteTransport(WeightTransport):
         timeout_s: float = 600.0,
         keep_exports: int = 2,
         export_dtype: str | None = None,
+        probe_interval_s: float = 1.0,
+        max_backoff_s: float = 30.0,
     ):
         self.base_url = base_url.rstrip("/")
         self._token = token or os.environ.get(WEIGHT_TOKEN_ENV)
@@ -95,59 +128,157 @@ class RemoteTransport(WeightTransport):
         self._timeout_s = timeout_s
         self._keep_exports = keep_exports
         self._export_dtype = export_dtype
+        self._probe_interval_s = probe_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._delivering = threading.Lock()  # one delivery at a time, pushes and the watcher's
+        self._state = threading.Lock()
+        self._latest: tuple[int, str] | None = None  # the newest exported version and its path
+        self._confirmed: int | None = None  # what the server confirmed serving; None: not synced
+        self._down = False  # it stopped answering or restarted: only the watcher delivers until it is back
+        self._instance: str | None = None  # the server process that confirmed it
+        self._failure: PermanentError | None = None  # a refusal seen by the watcher, raised by the next push
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.reconnects = 0
+        """Times the server was brought back (pushed the newest weights) after being down or restarted."""
 
     @property
     def name(self) -> str:
         return self.base_url
 
+    @property
+    def ready(self) -> bool:
+        """The server confirmed weights of this run and has not failed since."""
+        return self.sampling_window() is not None
+
     def export_path(self, policy_version: int) -> str:
         return os.path.join(self.export_dir, f"policy-{policy_version:08d}")
 
-    def push(self, model, policy_version: int) -> None:
+    def push(self, model, policy_version: int, *, reset: bool = False) -> None:
+        """Export `policy_version` and deliver it; a server that does not answer is marked down and
+        brought back by the watcher. `reset` lets the version go back (a resumed run). Raises
+        `WeightUpdateRefused` when the server refuses."""
+        if self._failure is not None:
+            raise self._failure
         path = self._export(model, policy_version)
+        with self._state:
+            self._latest = (policy_version, path)
+        self._start_watcher()
+        with self._delivering:  # the prune too: the watcher may be delivering an export
+            if not self._down:
+                try:
+                    self._deliver(policy_version, path, reset=reset)
+                except _Unreachable as e:
+                    self._mark_down(f"push of version {policy_version}: {e}")
+            self._prune(policy_version)
+
+    def confirmed_version(self) -> int:
+        return self._probe()[0]
+
+    def sync(self, model, policy_version: int) -> None:
+        self.push(model, policy_version, reset=True)
+
+    def sampling_window(self) -> tuple[int, int] | None:
+        """(oldest, newest) policy version a response of this server may report now; None while it is
+        not to be sampled from (down, restarted, not yet synced)."""
+        with self._state:
+            if self._down or self._confirmed is None or self._latest is None:
+                return None
+            return self._confirmed, self._latest[0]
+
+    def report_stale(self, reported: int) -> None:
+        """A response reported a version outside the window: the server restarted from other weights."""
+        self._mark_down(f"a response reported policy version {reported}, not one this run pushed")
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)  # a daemon: one still waiting on the server does not hold the exit
+
+    # ---- delivery ----
+
+    def _deliver(self, policy_version: int, path: str, *, reset: bool) -> None:
+        """POST the update and wait for the version; caller holds `_delivering`."""
         deadline = time.monotonic() + self._timeout_s
         try:
             response = httpx.post(
                 f"{self.base_url}/weights/update",
-                json={"path": path, "policy_version": policy_version},
+                json={"path": path, "policy_version": policy_version, "reset": reset},
                 headers={"Authorization": f"Bearer {self._token}"},
                 timeout=self._timeout_s,
             )
         except httpx.TimeoutException:
             response = None  # the server may still be loading: fall through to polling the version
-        if response is not None:
-            if response.status_code in (401, 403):
-                raise WeightUpdateRefused(
-                    f"{self.base_url} refused the weight update ({response.status_code}): {_error_message(response)}"
-                )
-            if response.status_code != 200:
-                raise RuntimeError(
-                    f"{self.base_url} failed to load policy version {policy_version} from {path} "
-                    f"({response.status_code}): {_error_message(response)}"
-                )
-        self._wait_for(policy_version, deadline)
-        self._prune(policy_version)
-
-    def confirmed_version(self) -> int:
-        response = httpx.get(f"{self.base_url}/weights/version", timeout=30)
-        response.raise_for_status()
-        return int(response.json()["policy_version"])
-
-    def _wait_for(self, policy_version: int, deadline: float) -> None:
-        last = None
+        except httpx.TransportError as e:
+            raise _Unreachable(f"{type(e).__name__}: {e}") from e
+        if response is not None and response.status_code != 200:
+            raise WeightUpdateRefused(
+                f"{self.base_url} refused policy version {policy_version} from {path} "
+                f"({response.status_code}): {_error_message(response)}"
+            )
         while True:
             try:
-                last = self.confirmed_version()
+                version, instance = self._probe()
             except httpx.HTTPError as e:
-                last = f"unreachable ({type(e).__name__})"
-            if last == policy_version:
-                return
+                version, instance = f"unreachable ({type(e).__name__})", None
+            if version == policy_version:
+                break
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.base_url} did not confirm policy version {policy_version} within {self._timeout_s} s "
-                    f"(it reports {last})"
-                )
+                raise _Unreachable(f"did not confirm policy version {policy_version} within {self._timeout_s} s (it reports {version})")
             time.sleep(0.5)
+        with self._state:
+            self._confirmed, self._instance, self._down = policy_version, instance, False
+
+    def _probe(self) -> tuple[int, str | None]:
+        response = httpx.get(f"{self.base_url}/weights/version", timeout=min(30.0, self._timeout_s))
+        response.raise_for_status()
+        body = response.json()
+        return int(body["policy_version"]), body.get("instance")
+
+    def _mark_down(self, why: str) -> None:
+        with self._state:
+            was_up, self._down, self._confirmed = not self._down, True, None
+        if was_up:
+            logger.warning("%s is down or restarted (%s): not sampled from until it has the newest weights", self.base_url, why)
+
+    # ---- the watcher ----
+
+    def _start_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name=f"watch:{self.base_url}", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        delay = self._probe_interval_s
+        while not self._closed.wait(delay):
+            try:
+                with self._delivering:
+                    self._check_and_resync()
+                delay = self._probe_interval_s
+            except _Unreachable as e:
+                self._mark_down(str(e))
+                delay = min(2 * delay, self._max_backoff_s)
+            except WeightUpdateRefused as e:
+                self._failure = e  # the main thread raises it at the next push
+                return
+
+    def _check_and_resync(self) -> None:
+        try:
+            version, instance = self._probe()
+        except httpx.HTTPError as e:
+            raise _Unreachable(f"{type(e).__name__}: {e}") from e
+        with self._state:
+            in_sync = not self._down and self._confirmed == version and self._instance == instance
+            latest = self._latest
+        if in_sync or latest is None:
+            return
+        self._mark_down(f"it reports policy version {version} (instance {instance})")
+        logger.info("%s: pushing policy version %d to bring it back", self.base_url, latest[0])
+        self._deliver(*latest, reset=True)
+        self.reconnects += 1
+        logger.warning("%s is back, serving policy version %d", self.base_url, latest[0])
+
+    # ---- exports ----
 
     def _export(self, model, policy_version: int) -> str:
         import jax.numpy as jnp

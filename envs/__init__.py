@@ -20,10 +20,10 @@ from marin_rl.envs._parsers import (
     last_number,
     xml_tag,
 )
-from marin_rl.envs._problems import Problem, cycle_problems, load_problems, problems_from
+from marin_rl.envs._problems import Problem, ProblemStream, load_problems, problems_from
 from marin_rl.envs._reasoning_gym import ReasoningGymEnv
 from marin_rl.envs._toy import ToyAdditionEnv
-from marin_rl.envs._rewards import EnvMetrics, Scores
+from marin_rl.envs._rewards import EnvMetrics, Scores, VerifierThreads
 from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, pass_at_k, resolve_settings, sample_group
 from marin_rl.envs._sampling import (
     Completion,
@@ -49,6 +49,7 @@ __all__ = [
     "ParseResult",
     "Parser",
     "Problem",
+    "ProblemStream",
     "ReasoningGymEnv",
     "RolloutSettings",
     "Sampler",
@@ -57,11 +58,11 @@ __all__ = [
     "Scores",
     "ScriptedSampler",
     "ToyAdditionEnv",
+    "VerifierThreads",
     "Transcript",
     "build_env",
     "calculate",
     "compose",
-    "cycle_problems",
     "env_types",
     "evaluate",
     "exact_match",

@@ -18,7 +18,8 @@ A reward function is a method decorated with `@reward`; it declares the argument
 name, from `problem` (the `Problem`), `answer` (`problem.answer`), `completion` (the last
 assistant message's text), `messages` (the whole conversation) and `state` (the dict `interact`
 kept for this rollout). It returns a number; the rollout's `reward` is the weighted sum. Sync
-reward functions run in their own thread so a slow one never blocks the event loop.
+reward functions run on a bounded pool of threads (`verifier_threads`) so a slow one never blocks
+the event loop and a hung one cannot pile up threads.
 
 Multi-turn: set `max_turns` and override `interact`, which sees the conversation after each
 assistant turn and returns the user/tool messages to add (or None to end the rollout).
@@ -34,9 +35,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from marin_rl.envs._chat import Message
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._sampling import Sampler, SamplingParams
+from marin_rl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from marin_rl.envs._rewards import EnvMetrics
+    from marin_rl.envs._rewards import EnvMetrics, VerifierThreads
     from marin_rl.envs._runner import RolloutSettings
     from marin_rl.types import Rollout
 
@@ -78,11 +80,14 @@ class Env:
     """A reward function running longer scores 0 and is recorded as timed out."""
     success_reward: ClassVar[str | None] = None
     """The reward that means "solved" (>= 1) for pass@k; None uses the total reward."""
+    verifier_threads: ClassVar[int] = 8
+    """Most threads running this env's sync reward functions at once (a hung call keeps one)."""
 
     _reward_specs: ClassVar[dict[str, tuple[str, float]]] = {}
     _name: str | None = None
     _tokenizer: Any = None
     _metrics: Any = None
+    _verifier_pool: Any = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -175,6 +180,15 @@ class Env:
             self._metrics = EnvMetrics(self.name)
         return self._metrics
 
+    @property
+    def verifier_pool(self) -> VerifierThreads:
+        """The threads this env's sync reward functions run on, see `VerifierThreads`."""
+        if self._verifier_pool is None:
+            from marin_rl.envs._rewards import VerifierThreads
+
+            self._verifier_pool = VerifierThreads(self.verifier_threads, name=f"verifier:{self.name}")
+        return self._verifier_pool
+
     def reward_functions(self) -> dict[str, tuple[Callable[..., Any], float]]:
         """Name -> (bound reward function, default weight)."""
         return {
@@ -222,10 +236,10 @@ def resolve_env_class(type_: str) -> type[Env]:
         module_name, _, attr = type_.partition(":")
         cls = getattr(importlib.import_module(module_name), attr, None)
         if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise ValueError(f"env type {type_!r}: {module_name}.{attr} is not an Env subclass (got {cls!r})")
+            raise ConfigError(f"env type {type_!r}: {module_name}.{attr} is not an Env subclass (got {cls!r})")
         return cls
     if type_ not in _ENV_TYPES:
-        raise ValueError(f"unknown env type {type_!r}; registered: {sorted(_ENV_TYPES)} (or use 'package.module:ClassName')")
+        raise ConfigError(f"unknown env type {type_!r}; registered: {sorted(_ENV_TYPES)} (or use 'package.module:ClassName')")
     return _ENV_TYPES[type_]
 
 

@@ -10,7 +10,6 @@ A file spec takes query options: `data/train.jsonl?limit=100&offset=10&shuffle=t
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
+
+from marin_rl.errors import ProblemSourceError
 
 
 @dataclass(frozen=True)
@@ -107,19 +108,89 @@ def problems_from(records: Iterable[Mapping[str, Any] | Problem], *, prefix: str
         yield problem_from_record(record, default_id=f"{prefix}:{i}")
 
 
-def cycle_problems(source: Any, *, seed: int = 0, shuffle: bool = True) -> Iterator[Problem]:
-    """Problems forever: a finite `problems()` is replayed epoch after epoch (reshuffled when it is a
-    sequence); a generator is restarted when it runs out. `source` is an env or a callable."""
-    make = source.problems if hasattr(source, "problems") else source
-    rng = random.Random(seed)
-    for epoch in itertools.count():
-        problems = make()
-        if shuffle and isinstance(problems, Sequence):
-            problems = list(problems)
-            rng.shuffle(problems)
-        yielded = False
-        for problem in problems:
-            yielded = True
-            yield problem
-        if not yielded:
-            raise ValueError(f"{source!r}: problems() yielded nothing (epoch {epoch})")
+class ProblemStream:
+    """An env's problems forever, in a reproducible order, with a position a checkpoint can save.
+
+    A finite `problems()` (a sequence) is replayed epoch after epoch, each epoch shuffled by a seed
+    derived from (`seed`, epoch), so any position can be reached again without replaying the RNG; a
+    generator is restarted when it runs out. `position` counts the problems drawn;
+    `ProblemStream(source, seed=s, position=p)` continues exactly where a stream at `p` stopped.
+
+    A source that fails (its file is missing, it raises, an epoch is empty) raises
+    `ProblemSourceError` now and for every later draw: retrying cannot fix it. `source` is an env or
+    a callable returning the problems.
+    """
+
+    def __init__(self, source: Any, *, seed: int = 0, shuffle: bool = True, position: int = 0):
+        self._make = source.problems if hasattr(source, "problems") else source
+        self._label = f"env {source.name!r}" if hasattr(source, "name") else repr(source)
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._index = 0  # problems drawn in this epoch
+        self._items: Sequence[Problem] | Iterator[Problem] | None = None
+        self._error: ProblemSourceError | None = None
+        self.position = 0
+        """Problems drawn so far, over all epochs."""
+        self._guarded(self._skip, position)
+
+    def __iter__(self) -> ProblemStream:
+        return self
+
+    def __next__(self) -> Problem:
+        return self._guarded(self._draw)
+
+    def _guarded(self, fn, *args):
+        if self._error is not None:
+            raise self._error
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the source raised, drawing again cannot succeed
+            self._error = ProblemSourceError(
+                f"{self._label}: the problem source failed at problem {self.position}: {type(e).__name__}: {e}"
+            )
+            raise self._error from e
+
+    def _open_epoch(self) -> None:
+        problems = self._make()
+        if isinstance(problems, Sequence):
+            if self._shuffle:
+                problems = list(problems)
+                random.Random(f"{self._seed}/{self._epoch}").shuffle(problems)
+            self._items = problems
+        else:
+            self._items = iter(problems)
+
+    def _draw(self) -> Problem:
+        while True:
+            if self._items is None:
+                self._open_epoch()
+            if isinstance(self._items, Sequence):
+                problem = self._items[self._index] if self._index < len(self._items) else None
+            else:
+                problem = next(self._items, None)
+            if problem is not None:
+                self._index += 1
+                self.position += 1
+                return problem
+            if self._index == 0:
+                raise ValueError(f"problems() yielded nothing (epoch {self._epoch})")
+            self._epoch, self._index, self._items = self._epoch + 1, 0, None
+
+    def _skip(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"position must be >= 0, got {count}")
+        while count > 0:
+            if self._items is None:
+                self._open_epoch()
+            if isinstance(self._items, Sequence) and self._items:
+                # A whole or partial epoch of a sequence: jump, no replay.
+                step = min(count, len(self._items) - self._index)
+                self._index += step
+                self.position += step
+                count -= step
+                if self._index == len(self._items):
+                    self._epoch, self._index, self._items = self._epoch + 1, 0, None
+                continue
+            self._draw()
+            count -= 1

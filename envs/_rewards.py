@@ -1,17 +1,22 @@
 """Running reward functions safely, and the counters an env reports.
 
-A reward function that raises, runs past its timeout, or returns something that is not a finite
-number scores 0; the error is recorded by name and counted, and nothing else is affected. Sync
-reward functions run in a thread of their own (not a shared pool): Python cannot kill a thread,
-so a hung verifier is abandoned, and with a pool a few of those would starve every later call.
-Abandoned threads that are still running are reported as `hung_verifier_threads`.
+A reward function that raises (anything, `SystemExit` included), runs past its timeout, or returns
+something that is not a finite number scores 0; the error is recorded by name and counted, and
+nothing else is affected. Sync reward functions run on the env's `VerifierThreads`, a bounded pool
+of daemon threads: Python cannot kill a thread, so a hung call keeps its thread, but there are never
+more than the pool's size (calls that find every thread stuck wait, then time out and score 0), and
+a stuck thread never keeps the process from exiting. Threads still running a timed-out call are
+reported as `hung_verifier_threads`. Async reward functions run on the caller's event loop and are
+cancelled at the timeout; they must not block it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -27,16 +32,17 @@ class EnvMetrics:
     def __init__(self, env_name: str):
         self.env_name = env_name
         self.counts: Counter[str] = Counter()
-        self._abandoned: list[threading.Thread] = []
+        self._abandoned: list[concurrent.futures.Future] = []
 
     def increment(self, counter: str, by: int = 1) -> None:
         self.counts[counter] += by
 
-    def abandon(self, thread: threading.Thread) -> None:
-        self._abandoned.append(thread)
+    def abandon(self, call: concurrent.futures.Future) -> None:
+        """A timed-out sync call whose thread may still be running it."""
+        self._abandoned.append(call)
 
     def as_dict(self) -> dict[str, float]:
-        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        self._abandoned = [f for f in self._abandoned if f.running()]
         out = {f"envs/{self.env_name}/{k}": float(v) for k, v in sorted(self.counts.items())}
         out[f"envs/{self.env_name}/hung_verifier_threads"] = float(len(self._abandoned))
         return out
@@ -58,11 +64,12 @@ async def score(
     *,
     timeout_s: float,
     metrics: EnvMetrics,
+    threads: VerifierThreads,
 ) -> Scores:
-    """Run every reward function concurrently; `functions` maps name -> (function, weight)."""
+    """Run every reward function concurrently (sync ones on `threads`); `functions` maps name -> (function, weight)."""
     names = list(functions)
     outcomes = await asyncio.gather(
-        *(_run_one(name, fn, available, timeout_s, metrics) for name, (fn, _) in functions.items())
+        *(_run_one(fn, available, timeout_s, metrics, threads) for fn, _ in functions.values())
     )
     rewards, errors = {}, {}
     for name, (value, error) in zip(names, outcomes):
@@ -74,29 +81,49 @@ async def score(
 
 
 async def _run_one(
-    name: str, fn: Callable[..., Any], available: Mapping[str, Any], timeout_s: float, metrics: EnvMetrics
+    fn: Callable[..., Any], available: Mapping[str, Any], timeout_s: float, metrics: EnvMetrics, threads: VerifierThreads
 ) -> tuple[float, str | None]:
     kwargs = {p: available[p] for p in inspect.signature(fn).parameters if p in available}
-    thread = None
+    call = None
     try:
         if inspect.iscoroutinefunction(fn):
-            value = await asyncio.wait_for(fn(**kwargs), timeout_s)
+            value = await asyncio.wait_for(_contained(fn(**kwargs)), timeout_s)
         else:
-            future, thread = _in_thread(fn, kwargs, name)
-            value = await asyncio.wait_for(future, timeout_s)
+            call = threads.submit(lambda: fn(**kwargs))
+            value = await asyncio.wait_for(asyncio.wrap_future(call), timeout_s)
     except TimeoutError:
         metrics.increment("reward_timeouts")
-        if thread is not None:
-            metrics.abandon(thread)
+        if call is not None and call.cancelled():  # never started: every thread was busy
+            return 0.0, f"timed out after {timeout_s:g}s waiting for one of the {threads.size} verifier threads (hung calls hold them)"
+        if call is not None:
+            metrics.abandon(call)
         return 0.0, f"timed out after {timeout_s:g}s"
     except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
         metrics.increment("reward_errors")
-        return 0.0, f"{type(e).__name__}: {e}"
+        return 0.0, f"{type(e).__name__}: {e}" if not isinstance(e, RewardRaised) else str(e)
     checked = _as_reward(value)
     if checked is None:
         metrics.increment("reward_errors")
         return 0.0, f"returned {value!r}, expected a finite number"
     return checked, None
+
+
+class RewardRaised(Exception):
+    """A reward function raised a BaseException that is not an Exception (SystemExit, KeyboardInterrupt)."""
+
+
+def _contain(error: BaseException) -> Exception:
+    # SystemExit & co. must not reach the event loop: asyncio re-raises them out of it, ending every worker.
+    return error if isinstance(error, Exception) else RewardRaised(f"{type(error).__name__}: {error}")
+
+
+async def _contained(coroutine):
+    try:
+        return await coroutine
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        raise _contain(e) from None
 
 
 def _as_reward(value: Any) -> float | None:
@@ -106,28 +133,52 @@ def _as_reward(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _in_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> tuple[asyncio.Future, threading.Thread]:
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+class VerifierThreads:
+    """At most `size` daemon threads running sync reward functions, started as needed.
 
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():  # timed out and cancelled meanwhile
-            return
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
+    A call that times out cannot be stopped: its thread stays busy until the function returns. The
+    bound keeps hung calls from piling up threads; once every thread is stuck, later calls wait in
+    the queue and time out (a timed-out call still queued is dropped, never run).
+    """
 
-    def run() -> None:
-        try:
-            value, error = fn(**kwargs), None
-        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            value, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:
-            pass  # the event loop closed while this verifier ran: nobody is waiting
+    def __init__(self, size: int = 8, name: str = "verifier"):
+        if size < 1:
+            raise ValueError(f"VerifierThreads: size must be >= 1, got {size}")
+        self.size = size
+        self.name = name
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for a call
+        self._queued = 0  # calls not yet taken by a thread
 
-    thread = threading.Thread(target=run, name=f"verifier:{name}", daemon=True)
-    thread.start()
-    return future, thread
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        call: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._queued += 1
+            start = self._queued > self._idle and self._threads < self.size
+            self._threads += start
+        self._calls.put((call, fn))
+        if start:
+            threading.Thread(target=self._serve, name=f"{self.name}-{self._threads}", daemon=True).start()
+        return call
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far (never more than `size`)."""
+        return self._threads
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            call, fn = self._calls.get()
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            if not call.set_running_or_notify_cancel():
+                continue  # timed out while queued
+            try:
+                call.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: handed to the awaiting coroutine
+                call.set_exception(_contain(e))

@@ -23,6 +23,7 @@ from marin_rl.envs._env import Env
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics, score
 from marin_rl.envs._sampling import Completion, Sampler, SamplingParams
+from marin_rl.errors import ConfigError, PromptTooLong
 from marin_rl.types import Rollout
 
 T = TypeVar("T")
@@ -66,16 +67,16 @@ def resolve_settings(
     weights = env.default_reward_weights()
     unknown = set(reward_weights or {}) - set(weights)
     if unknown:
-        raise ValueError(f"env {env.name!r}: reward_weights names unknown rewards {sorted(unknown)}; has {sorted(weights)}")
+        raise ConfigError(f"env {env.name!r}: reward_weights names unknown rewards {sorted(unknown)}; has {sorted(weights)}")
     weights.update({k: float(v) for k, v in (reward_weights or {}).items()})
     turns = env.max_turns if max_turns is None else max_turns
     if turns < 1:
-        raise ValueError(f"env {env.name!r}: max_turns must be >= 1, got {turns}")
+        raise ConfigError(f"env {env.name!r}: max_turns must be >= 1, got {turns}")
     timeout = env.verifier_timeout_s if verifier_timeout_s is None else verifier_timeout_s
     if not timeout > 0:
-        raise ValueError(f"env {env.name!r}: verifier_timeout_s must be > 0, got {timeout}")
+        raise ConfigError(f"env {env.name!r}: verifier_timeout_s must be > 0, got {timeout}")
     if max_total_tokens is not None and max_total_tokens < 2:
-        raise ValueError(f"env {env.name!r}: max_total_tokens must be >= 2, got {max_total_tokens}")
+        raise ConfigError(f"env {env.name!r}: max_total_tokens must be >= 2, got {max_total_tokens}")
     return RolloutSettings(env.sampling.merged(sampling), weights, float(timeout), turns, max_total_tokens)
 
 
@@ -95,7 +96,8 @@ async def sample_group(
     """`n` scored rollouts of `problem`, sharing one `group_id`. Counts go to `metrics` (default `env.metrics`).
 
     With `max_total_tokens`, no rollout grows past it: a turn's `max_tokens` is cut to the room left
-    and a conversation with no room left ends (truncated); a prompt that alone is too long raises.
+    and a conversation with no room left ends (truncated); a prompt that alone is too long raises
+    `PromptTooLong` (retrying cannot help).
     """
     if n < 1:
         raise ValueError(f"sample_group: n must be >= 1, got {n}")
@@ -122,9 +124,10 @@ async def run_turns(
     prompt = Transcript(env.tokenizer, env.build_messages(problem))
     sampling = settings.turn_sampling(len(prompt.token_ids))
     if sampling is None:
-        raise ValueError(
+        raise PromptTooLong(
             f"env {env.name!r}: the prompt of problem {problem.id!r} has {len(prompt.token_ids)} tokens, "
-            f"no room left under max_total_tokens={settings.max_total_tokens}"
+            f"no room left under max_total_tokens={settings.max_total_tokens} (raise batcher.max_seq_len or "
+            "drop such problems from the data)"
         )
     first = await sampler.sample(prompt.token_ids, n, sampling)
     if len(first) != n:
@@ -200,6 +203,7 @@ async def _one_rollout(
         },
         timeout_s=settings.verifier_timeout_s,
         metrics=metrics,
+        threads=env.verifier_pool,
     )
     metadata.update(answer=_jsonable(problem.answer), stop_reason=stop_reason, num_turns=transcript.num_assistant_turns)
     if scores.errors:

@@ -214,6 +214,14 @@ class OptimizerConfig:
     schedule: LrSchedule = dataclasses.field(default_factory=ConstantSchedule)
     """Schedule after warmup: `constant` or `cosine`."""
 
+    def __post_init__(self):
+        if not self.learning_rate >= 0:  # NaN too
+            raise ValueError(f"OptimizerConfig.learning_rate must be >= 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+
 
 @dataclass(frozen=True)
 class LearnerConfig:

@@ -116,11 +116,13 @@ class Learner:
     def _config_record(self) -> dict:
         return {"learner": draccus.encode(self.config), "model": draccus.encode(self.model_config)}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, run_state: dict | None = None) -> Path:
         """Write `RUN/checkpoints/step-{policy_version}/` atomically; keeps the newest
-        `LearnerConfig.keep_checkpoints`."""
+        `LearnerConfig.keep_checkpoints`. `run_state` (JSON-able: what the rest of the loop needs to
+        continue, e.g. each env's problem-stream position) is saved with it."""
         record = self._config_record()
         state = {
+            "run": run_state or {},
             "format": CHECKPOINT_FORMAT,
             "step": self.policy_version,
             "policy_version": self.policy_version,
@@ -137,11 +139,12 @@ class Learner:
             keep=self.config.keep_checkpoints,
         )
 
-    def restore_latest(self) -> bool:
-        """Load the newest complete checkpoint under `RUN/checkpoints/`, if any; True if one was loaded."""
+    def restore_latest(self) -> dict | None:
+        """Load the newest complete checkpoint under `RUN/checkpoints/`, if any; returns the `run_state`
+        saved with it ({} if none was), or None when there is no checkpoint."""
         checkpoints = complete_checkpoints(self.checkpoints_dir)
         if not checkpoints:
-            return False
+            return None
         path = checkpoints[-1]
         model, opt_state, state = load_checkpoint(path, model_like=self.model, opt_state_like=self._opt_state)
         if state["config_hash"] != _hash(self._config_record()):
@@ -152,7 +155,7 @@ class Learner:
         typed = jnp.issubdtype(self._key.dtype, jax.dtypes.prng_key)
         self._key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(self._key)) if typed else key_data
         logger.info("restored %s (policy version %d)", path, self.policy_version)
-        return True
+        return state.get("run", {})
 
     def export_hf(self, step: int | None = None) -> Path:
         """Write the current model as a Hugging Face checkpoint to `RUN/hf/step-N/` (N = `step`, default the

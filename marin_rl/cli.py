@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from marin_rl import rollouts_cli
-from marin_rl.errors import ConfigError, RunDirError
+from marin_rl.errors import ConfigError, PermanentError, RunDirError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     errors = Console(stderr=True, soft_wrap=True)
     try:
         return args.handler(args, console)
-    except (FileNotFoundError, ConfigError, RunDirError) as e:
-        # Config errors, missing runs, refused run dirs: one clear line, no traceback.
+    except (FileNotFoundError, ConfigError, RunDirError, PermanentError) as e:
+        # Config errors, missing runs, refused run dirs, failures retrying cannot fix: one clear line.
         if args.verbose:
             raise
         errors.print(f"[bold red]error:[/] {escape(str(e))}")

@@ -153,6 +153,13 @@ class TrainConfig:
     shared machine, rollouts generated further ahead would only grow stale."""
     worker_max_backoff_s: float = 30.0
     """Longest wait between retries of a failing env worker (it starts at 1 s and doubles)."""
+    deterministic: bool = False
+    """Reproducible runs: the same seed gives the same metrics and parameters, and a run killed and
+    resumed gives the parameters of one that was not. Generation for step k starts once policy k is
+    served and stops when the batch is full (no overlap with training: slower, see
+    docs/reliability.md). Requests are always seeded from (seed, env, the problem's position in the
+    env's stream). Holds on one kind of device while no remote server that takes part fails over to
+    another kind."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Optional Weights & Biases logging."""
 
@@ -297,5 +304,11 @@ def _config_classes() -> dict[str, type]:
 
 
 def dump_config(config: TrainConfig) -> str:
-    """The fully resolved config as YAML (what RUN/config.yaml holds)."""
+    """The fully resolved config as YAML (what RUN/config.yaml holds), without the weight-update tokens:
+    a resumed or copied run reads them from MARIN_RL_WEIGHT_TOKEN (or the command line) again."""
+    config = dataclasses.replace(
+        config,
+        server=dataclasses.replace(config.server, weight_update_token=None),
+        broadcaster=dataclasses.replace(config.broadcaster, weight_update_token=None),
+    )
     return draccus.dump(config)

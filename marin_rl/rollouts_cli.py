@@ -65,9 +65,11 @@ class _Reader:
             rollouts = table_to_rollouts(segment.table)
             yield from reversed(rollouts) if newest_first else rollouts
 
-    def report(self, console: Console) -> int:
+    def report(self) -> int:
+        """Name each skipped segment on stderr (stdout is the report, maybe piped); 1 if there were any."""
+        errors = Console(stderr=True, soft_wrap=True)
         for error in self.errors:
-            console.print(f"[bold red]skipped corrupt segment[/] {escape(str(error))}", soft_wrap=True)
+            errors.print(f"[bold red]skipped corrupt segment[/] {escape(str(error))}")
         return 1 if self.errors else 0
 
 
@@ -103,7 +105,7 @@ def summary_command(args, console: Console) -> int:
             *(f"{np.mean(row[name]):.3f}" if name in row else "-" for name in reward_names),
         )
     console.print(table)
-    return reader.report(console)
+    return reader.report()
 
 
 def show_command(args, console: Console) -> int:
@@ -122,7 +124,7 @@ def show_command(args, console: Console) -> int:
         shown += 1
     if shown == 0:
         console.print("no rollout matches the filters")
-    return reader.report(console)
+    return reader.report()
 
 
 def render_rollout(r: Rollout) -> Panel:
@@ -191,4 +193,4 @@ def export_command(args, console: Console) -> int:
     finally:
         if args.output:
             out.close()
-    return reader.report(Console(stderr=True))
+    return reader.report()

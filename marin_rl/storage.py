@@ -28,7 +28,8 @@ SCHEMA_VERSION = 2
 """
 SCHEMA_VERSION_KEY = b"marin_rl.rollout_schema_version"
 ROLLOUTS_DIR = "rollouts"
-REJECTS_FILE = "rejects.jsonl"
+REJECTS_DIR = "rejects"
+"""`RUN/rejects/{env}.jsonl`: beside, not inside, `RUN/rollouts/{env}/`, which holds only Parquet segments."""
 _SEGMENT_RE = re.compile(r"^segment-(\d{8})\.parquet$")
 
 TURN_TYPE = pa.struct(
@@ -78,6 +79,10 @@ class SegmentError(RuntimeError):
 
 def env_rollout_dir(run_dir: str | os.PathLike, env: str) -> Path:
     return Path(run_dir) / ROLLOUTS_DIR / env
+
+
+def env_rejects_path(run_dir: str | os.PathLike, env: str) -> Path:
+    return Path(run_dir) / REJECTS_DIR / f"{env}.jsonl"
 
 
 def _turn_row(turn: Turn) -> dict[str, Any]:
@@ -251,11 +256,11 @@ class RolloutWriter:
         self._oldest_pending_at = None
 
 
-def append_reject(directory: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Append one rejected rollout (uid, field, reason, ...) to the env's rejects.jsonl."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / REJECTS_FILE, "a") as f:
+def append_reject(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one rejected rollout (uid, field, reason, ...) to an env's rejects file (`env_rejects_path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 

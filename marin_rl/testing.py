@@ -74,3 +74,44 @@ def make_group(
         )
         for i, (r, n) in enumerate(zip(rewards, completion_lens, strict=True))
     ]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server that must come back on the same one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: int = 0, flags=(), timeout_s: float = 240):
+    """A `marin-rl serve` subprocess of `checkpoint`, returned with its base URL once it listens.
+
+    Its output goes to `workdir/serve-<n>.log` (named in the error if it does not start); stop it with
+    `process.terminate()` (or kill it: that is what the reliability tests do).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    workdir = Path(workdir)
+    n = len(list(workdir.glob("serve-*.log")))
+    ready, log_path = workdir / f"serve-{n}.ready.json", workdir / f"serve-{n}.log"
+    command = [
+        sys.executable, "-m", "marin_rl.orchestrator._server_process", f"--checkpoint={checkpoint}",
+        f"--server.port={port}", f"--ready_file={ready}", *flags,
+    ]  # fmt: skip
+    env = {**os.environ, **({"MARIN_RL_WEIGHT_TOKEN": token} if token else {})}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"serve process did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return process, json.loads(ready.read_text())["base_url"]

@@ -155,8 +155,9 @@ class Rollout:
         ]
         return np.concatenate(parts).astype(np.float32, copy=False)
 
-    def validate(self) -> Rollout:
-        """Raise `RolloutValidationError` naming the field if the record breaks the contract."""
+    def validate(self, vocab_size: int | None = None) -> Rollout:
+        """Raise `RolloutValidationError` naming the field if the record breaks the contract (with
+        `vocab_size`, token ids must also be below it)."""
         uid = self.rollout_uid
         for name in ("environment", "problem_id", "rollout_uid", "group_id"):
             value = getattr(self, name)
@@ -178,6 +179,10 @@ class Rollout:
                 raise RolloutValidationError(uid, f"{where}.token_ids", "must be one-dimensional")
             if (turn.token_ids < 0).any():
                 raise RolloutValidationError(uid, f"{where}.token_ids", "token ids must be >= 0")
+            if vocab_size is not None and len(turn.token_ids) and turn.token_ids.max() >= vocab_size:
+                raise RolloutValidationError(
+                    uid, f"{where}.token_ids", f"token id {int(turn.token_ids.max())} is not below the vocabulary size {vocab_size}"
+                )
             if not turn.is_sampled:
                 if turn.logprobs is not None and len(turn.logprobs) != len(turn.token_ids):
                     raise RolloutValidationError(

@@ -55,7 +55,8 @@ def _jsonable(value: float) -> float | None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Every record of RUN/metrics.jsonl; a clear error when there is none."""
+    """One record per step from RUN/metrics.jsonl (the last, for a run resumed before resumes set
+    abandoned steps aside); a clear error when there is none."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no {METRICS_FILE}: is it a marin-rl run directory that has trained a step?")
@@ -68,7 +69,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             # A run killed mid-write leaves a partial last line; anything else is real corruption.
             logger.warning("%s:%d is not valid JSON; skipped", path, number)
-    return records
+    return list({record.get("step"): record for record in records}.values())
 
 
 class ProgressLine:

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -76,6 +77,10 @@ class _Handler:
         self.engine = engine
         self.vocab_size = vocab_size
         self._rng = np.random.default_rng(config.seed)
+        # No token covers more characters than the longest token's text, so a text longer than this
+        # cannot fit in max_seq_len tokens: refused before tokenizing (which costs memory and time).
+        self.chars_per_token = max(len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+        self.max_prompt_chars = config.max_seq_len * self.chars_per_token
 
     # -------------------------------------------------------------------------------------- requests
 
@@ -84,9 +89,23 @@ class _Handler:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.config.model_name}`.", param="model")
         return self.config.model_name
 
+    def check_prompt_text(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"This model's maximum context length is {self.config.max_seq_len} tokens and the prompt has "
+                f"{num_chars} characters: more tokens than that with this tokenizer.",
+                param=param,
+            )
+
     def check_prompt_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise bad_request("the prompt is empty", param=param)
+        if len(ids) >= self.config.max_seq_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.config.max_seq_len} tokens and the prompt has "
+                f"{len(ids)}: no room for a completion token.",
+                param=param,
+            )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param=param)
@@ -103,13 +122,7 @@ class _Handler:
         stop_sequences = self._stop_sequences(request)
         seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31))
         jobs = []
-        for prompt in prompts:
-            if len(prompt) >= limit:
-                raise bad_request(
-                    f"This model's maximum context length is {limit} tokens and the prompt has {len(prompt)}: "
-                    "no room for a completion token.",
-                    param=prompt_param,
-                )
+        for prompt in prompts:  # each already shorter than max_seq_len (check_prompt_ids)
             budget = max_tokens if max_tokens is not None else limit - len(prompt)
             if len(prompt) + budget > limit:
                 raise bad_request(
@@ -151,6 +164,8 @@ class _Handler:
                 f"{len(ids)} stop tokens (EOS included) exceed the server's max_stop_sequences={capacity}", param="stop_token_ids"
             )
         for stop in request.stop_strings():
+            if len(stop) > self.config.max_stop_tokens * self.chars_per_token:
+                continue  # too long for the device whatever its tokens: applied to the output only
             tokens = self.tokenizer.encode(stop, add_special_tokens=False)
             fits = 0 < len(tokens) <= self.config.max_stop_tokens and len(sequences) < capacity
             if fits and self.tokenizer.decode(tokens) == stop:
@@ -221,8 +236,9 @@ class _Handler:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def _render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
+def _render_chat(handler: _Handler, tokenizer, request: ChatCompletionRequest) -> list[int]:
     messages = [m.to_template() for m in request.messages]
+    handler.check_prompt_text(sum(len(m.get("content") or "") for m in messages), "messages")
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -247,8 +263,10 @@ def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]
         raise bad_request("the prompt is empty", param="prompt")
     out = []
     for p in prompt:
-        ids = tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        out.append(handler.check_prompt_ids(ids, "prompt"))
+        if isinstance(p, str):
+            handler.check_prompt_text(len(p), "prompt")
+            p = tokenizer.encode(p, add_special_tokens=True)
+        out.append(handler.check_prompt_ids(list(p), "prompt"))
     return out
 
 
@@ -260,8 +278,11 @@ def build_app(
     weight_updates: WeightUpdates | None = None,
 ) -> FastAPI:
     """The FastAPI app; /v1/weights/update is mounted only when `weight_updates` is given."""
-    app = FastAPI(title="marin-rl inference server")
+    # FastAPI answers 413 to a body over the limit before reading it (Content-Length), or as soon as
+    # the bytes read pass it (chunked).
+    app = FastAPI(title="marin-rl inference server", max_body_size=config.max_request_bytes)
     handler = _Handler(config, tokenizer, engine, vocab_size)
+    instance = uuid.uuid4().hex
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -291,7 +312,7 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "policy_version": engine.policy_version}
+        return {"status": "ok", "policy_version": engine.policy_version, "instance": instance}
 
     @app.get("/v1/models")
     async def models():
@@ -301,7 +322,7 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_none=False)
     async def chat_completions(request: ChatCompletionRequest) -> ChatCompletionResponse:
         model = handler.check_model(request.model)
-        prompt = handler.check_prompt_ids(_render_chat(tokenizer, request), "messages")
+        prompt = handler.check_prompt_ids(_render_chat(handler, tokenizer, request), "messages")
         (job,) = handler.jobs(request, [prompt], request.requested_max_tokens(), "messages")
         (result,) = await handler.run([job])
         choices = handler.choices(request, job, result)
@@ -371,14 +392,14 @@ def build_app(
 
     @app.get("/v1/weights/version", response_model=WeightVersionResponse)
     async def weights_version() -> WeightVersionResponse:
-        return WeightVersionResponse(policy_version=engine.policy_version)
+        return WeightVersionResponse(policy_version=engine.policy_version, instance=instance)
 
     if weight_updates is not None:
-        _mount_weight_update(app, engine, weight_updates)
+        _mount_weight_update(app, engine, weight_updates, instance)
     return app
 
 
-def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates) -> None:
+def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, instance: str) -> None:
     lock = asyncio.Lock()
 
     @app.post("/v1/weights/update", response_model=WeightVersionResponse)
@@ -389,9 +410,11 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates) -
         if not secrets.compare_digest(token.encode(), updates.token.encode()):
             raise ApiError(403, "wrong weight-update token")
         async with lock:  # one update at a time, in order
-            if body.policy_version < engine.policy_version:
+            if body.policy_version < engine.policy_version and not body.reset:
                 raise ApiError(
-                    409, f"policy_version {body.policy_version} is older than the served {engine.policy_version}", param="policy_version"
+                    409,
+                    f"policy_version {body.policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
+                    param="policy_version",
                 )
             if not os.path.isdir(body.path):
                 raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
@@ -406,5 +429,7 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates) -
             except ValueError as e:
                 raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
         logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
-        return WeightVersionResponse(policy_version=engine.policy_version, load_seconds=load_seconds, swap_seconds=swap.total_seconds)
+        return WeightVersionResponse(
+            policy_version=engine.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
+        )
 

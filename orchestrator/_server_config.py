@@ -27,6 +27,8 @@ class InferenceServerConfig(EngineConfig):
     """Name served at /v1/models. Requests naming another model get 404; an omitted model is this one."""
     request_timeout_s: float = 600.0
     """A request not answered within this many seconds (queueing included) gets HTTP 504."""
+    max_request_bytes: int = 8 * 2**20
+    """Largest request body; a larger one gets HTTP 413 before it is read (so before any tokenizing)."""
     weight_update_token: str | None = None
     """Bearer token of POST /v1/weights/update (the `serve` process only). None reads the
     MARIN_RL_WEIGHT_TOKEN environment variable; with neither, the endpoint is not mounted."""
@@ -35,6 +37,8 @@ class InferenceServerConfig(EngineConfig):
         super().__post_init__()
         if self.request_timeout_s <= 0:
             raise ValueError(f"InferenceServerConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"InferenceServerConfig.max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"InferenceServerConfig.port must be in [0, 65535], got {self.port}")
 

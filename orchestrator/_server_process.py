@@ -25,6 +25,7 @@ def serve_main(config: ServeConfig) -> None:
     from marin_rl.orchestrator._inference_server import PolicyServer
     from marin_rl.tokenizer import load_tokenizer
 
+    _check_checkpoint_dir(config.checkpoint)
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
     load = functools.partial(_load_checkpoint, tokenizer=tokenizer)
     model = load(config.checkpoint)
@@ -50,8 +51,15 @@ def _load_checkpoint(path: str, *, tokenizer):
 
     from marin_rl.learner import ModelConfig, load_hf_model
 
-    family = AutoConfig.from_pretrained(path).model_type
+    _check_checkpoint_dir(path)
+    family = AutoConfig.from_pretrained(path, local_files_only=True).model_type
     return load_hf_model(path, ModelConfig(family=family), tokenizer=tokenizer)
+
+
+def _check_checkpoint_dir(path: str) -> None:
+    # transformers takes a path that is not a directory for a hub name and tries to download it.
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"checkpoint {path!r} is not a local Hugging Face checkpoint directory (no config.json in it)")
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -270,10 +270,14 @@ class WeightUpdateRequest(BaseModel):
     path: str
     """Local directory of an HF safetensors checkpoint with the serving architecture."""
     policy_version: int = Field(ge=0)
+    reset: bool = False
+    """Accept a version older than the served one: a resumed run rolls its servers back to its checkpoint."""
 
 
 class WeightVersionResponse(BaseModel):
     policy_version: int
+    instance: str | None = None
+    """Random id of this server process: a restarted server has another (the broadcaster re-syncs it)."""
     load_seconds: float | None = None
     swap_seconds: float | None = None
 

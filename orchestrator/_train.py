@@ -2,8 +2,9 @@
 
 env workers -> replay buffers -> batcher -> learner -> broadcaster -> server -> env workers.
 The learner, the embedded server and the env workers share one process: workers sample on a
-background event loop while the learner trains; each new policy is swapped into the server in
-place. Read top to bottom: set up, loop, shut down.
+background event loop while the learner trains (or, in a deterministic run, generate each step's
+batch with that step's policy); each new policy is swapped into the server in place. Read top to
+bottom: set up, loop, shut down.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import RunDirError
+from marin_rl.errors import PermanentError
+from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
+from marin_rl.orchestrator._resume import prepare_run_dir, set_aside_abandoned
+from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +34,13 @@ class TrainResult:
     """True when a stop was requested (Ctrl-C / SIGTERM) before max_steps."""
 
 
-def prepare_run_dir(config: TrainConfig, resume: bool) -> Path:
-    """Create RUN/ and write the resolved config; never write over a previous run unless resuming."""
-    run_dir = Path(config.run_dir)
-    has_checkpoints = any((run_dir / "checkpoints").glob("step-*"))
-    if resume and not has_checkpoints:
-        raise RunDirError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(
-            f"run_dir {run_dir} already holds a run; pass --resume to continue it, or choose another "
-            "--run_dir (nothing was changed)"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
-    return run_dir
-
-
 def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None) -> TrainResult:
-    """Train until `config.max_steps` or until `stop` is set; always flushes rollouts and checkpoints."""
+    """Train until `config.max_steps` or until `stop` is set; always flushes rollouts, and checkpoints
+    whatever ended the run (but a NaN loss or a second Ctrl-C). A permanent failure (docs/reliability.md)
+    is raised after that checkpoint."""
     stop = stop or threading.Event()
-    run_dir = prepare_run_dir(config, resume)
+    run_dir = Path(config.run_dir)
+    prepare_run_dir(run_dir, dump_config(config), resume)
 
     # Heavy imports after the config is known to be good.
     import jax
@@ -64,8 +54,11 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     # --- set up
     tokenizer = load_tokenizer(config.tokenizer)
     learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed))
+    run_state = learner.restore_latest() if resume else {}
     if resume:
-        learner.restore_latest()
+        if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
+            run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
+        set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
         logger.info("resuming at policy version %d", learner.policy_version)
     # The learner and the embedded engine share the device and take turns on it: the engine holds this
     # lock around each device call, the loop around each learn/broadcast/save phase. Overlapping kernels
@@ -76,8 +69,6 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         config.server, learner.model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock
     ).start()
     broadcaster = config.broadcaster.build(colocated=server, tokenizer=tokenizer, run_dir=str(run_dir))
-    if resume and len(broadcaster.transports) > 1:
-        broadcaster.maybe_broadcast(learner.model, learner.policy_version)  # remote servers start from the checkpoint
     buffers = {
         env.name: ReplayBuffer(
             env.name,
@@ -86,10 +77,12 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
             run_dir=run_dir,
             max_seq_len=config.batcher.max_seq_len,
             overlong=config.batcher.overlong,
+            vocab_size=learner.model.Vocab.size,
         )
         for env in config.envs
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
+    batcher.credit.update(run_state.get("batcher_credit", {}))
     envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
     for e in config.envs:  # now the env's own default sampling is known
         e.check_algorithm(envs[e.name].sampling.merged(e.sampling).temperature)
@@ -113,32 +106,66 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         )
         for e in config.envs
     }
-    endpoints = [Endpoint(server.base_url, config.server.model_name, "embedded", config.server.request_timeout_s)]
+    # Remote servers are sampled from only while they serve this run's weights (their transport says).
+    timeout = config.server.request_timeout_s
+    endpoints = [Endpoint(server.base_url, config.server.model_name, "embedded", timeout)]
     endpoints += [
-        Endpoint(url, config.server.model_name, f"remote{i}", config.server.request_timeout_s)
-        for i, url in enumerate(config.broadcaster.remote_servers)
+        Endpoint(transport.base_url, config.server.model_name, f"remote{i}", timeout, gate=transport)
+        for i, transport in enumerate(broadcaster.transports[1:])
     ]
-    workers = EnvWorkers(envs, specs, buffers, endpoints, seed=config.seed, max_backoff_s=config.worker_max_backoff_s)
+    failures: list[PermanentError] = []
+
+    def fail(error: PermanentError) -> None:  # from the workers' thread: stop waiting for data
+        failures.append(error)
+        stop.set()
+
+    workers = EnvWorkers(
+        envs,
+        specs,
+        buffers,
+        endpoints,
+        seed=config.seed,
+        max_backoff_s=config.worker_max_backoff_s,
+        positions=run_state.get("problem_positions"),
+        on_failure=fail,
+    )
     metrics_log = MetricsLog(run_dir, config.wandb, config_dict={"run_dir": str(run_dir)})
 
+    # A deterministic run's checkpoint holds the positions its next step's groups start from (a fill
+    # interrupted by a failure must not move them); a free-running run's, the live ones.
+    drawn = workers.positions()
+
+    def save_checkpoint() -> None:
+        positions = drawn if config.deterministic else workers.positions()
+        learner.save_checkpoint({"problem_positions": positions, "batcher_credit": dict(batcher.credit)})
+        saved.append(learner.policy_version)
+
     start_step = learner.policy_version
+    saved = [start_step] if any((run_dir / "checkpoints").glob("step-*")) else []
     totals: dict[str, float] = defaultdict(float)
     step = start_step
     stopped_early = False
-    workers.start()
+    ended_by: BaseException | None = None
     try:
+        broadcaster.start(learner.model, learner.policy_version)  # remote servers: this run's weights, before any sampling
+        workers.start(free_running=not config.deterministic)
         with ProgressLine(config.max_steps, start_step, [e.name for e in config.envs]) as progress:
             if config.eval_every and start_step == 0:
-                metrics_log.log(0, _timed_eval(workers))  # the baseline, before any update
+                metrics_log.log(0, _timed_eval(workers, 0))  # the baseline, before any update
             while step < config.max_steps:
                 # --- data: wait for a full batch of fresh-enough rollouts
                 t0 = time.perf_counter()
                 try:
+                    if config.deterministic:  # sampled now by policy `step` alone, in a fixed order
+                        workers.fill(batcher.short_envs, cancel=stop)
                     batch = batcher.next_batch(learner.policy_version, cancel=stop)
                 except BatchCancelled:
                     stopped_early = True
                     break
-                t1 = time.perf_counter()
+                if config.deterministic:
+                    drawn = workers.positions()
+                    for buffer in buffers.values():
+                        buffer.drop_all()  # the next step starts from nothing, as a resumed one would
 
                 with device_lock:
                     t1 = time.perf_counter()  # the engine's device call in flight ends first
@@ -168,7 +195,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                 totals["wait"] += t1 - t0
                 generated = sum(metrics.get(f"replays/{e.name}/new_generated_tokens", 0.0) for e in config.envs)
                 if config.eval_every and step % config.eval_every == 0:
-                    metrics.update(_timed_eval(workers))
+                    metrics.update(_timed_eval(workers, step))
                 metrics.update(
                     {
                         "time/step_s": t3 - t0,
@@ -185,27 +212,44 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
                 # --- persist
                 with device_lock:
                     if step % config.checkpoint_every == 0:
-                        learner.save_checkpoint()
+                        save_checkpoint()
                     if config.export_hf_every and step % config.export_hf_every == 0:
                         learner.export_hf()
                 if stop.is_set():
                     stopped_early = step < config.max_steps
                     break
+    except BaseException as e:
+        ended_by = e
+        raise
     finally:
         # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights.
         workers.stop()
         for buffer in buffers.values():
             buffer.close()
         metrics_log.close()
+        broadcaster.close()
         server.shutdown()
-    if learner.policy_version > start_step or not any((run_dir / "checkpoints").glob("step-*")):
-        learner.save_checkpoint()
+        # Not after a NaN (the weights are NaN) or a second Ctrl-C (stop now).
+        if not isinstance(ended_by, (FloatingPointError, KeyboardInterrupt)) and saved[-1:] != [learner.policy_version]:
+            _save_or_log(save_checkpoint, ended_by)
+    if failures:
+        raise failures[0]
     learner.export_hf()
     return TrainResult(run_dir, learner.policy_version, stopped_early)
 
 
-def _timed_eval(workers: EnvWorkers) -> dict[str, float]:
+def _save_or_log(save, ended_by: BaseException | None) -> None:
+    if ended_by is None:
+        save()
+        return
+    try:  # the run is already failing: its own error is the one to report
+        save()
+    except Exception:  # noqa: BLE001
+        logger.exception("could not write the final checkpoint")
+
+
+def _timed_eval(workers: EnvWorkers, step: int) -> dict[str, float]:
     start = time.perf_counter()
-    metrics = workers.evaluate()
+    metrics = workers.evaluate(step)
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics

@@ -1,8 +1,18 @@
-"""Env workers: asyncio tasks that sample groups forever and push them into their env's buffer.
+"""Env workers: sample groups of rollouts and push them into their env's buffer.
 
-All workers share one event loop on a background thread, so generation goes on while the learner
-trains. A worker that fails (server down, bad response, a bug in an env) logs, counts the error
-and retries with exponential backoff; it never stops the run.
+All workers share one event loop on a background thread. Two ways to run:
+- free-running (default): `replicas` asyncio tasks per env sample groups forever while the learner
+  trains; a group that fails is counted and the worker goes on with the next problem after a backoff.
+- deterministic (`fill`): the train loop asks for step k's groups once policy k is served;
+  groups are drawn in a fixed order, retried as they were until they succeed, and added to the
+  buffer in that order until every env can fill its share.
+
+Every group's requests are seeded from (run seed, env, the problem's position in the env's stream).
+
+Failures are classified (`_faults.classify`): transient ones (a server down or restarting) are retried
+with backoff; permanent ones (a missing data file, a prompt longer than the row, a 400) stop the run
+through `on_failure`. Replica i samples from endpoint i mod N, or from the next one that serves this
+run's weights while that one does not.
 """
 
 from __future__ import annotations
@@ -11,25 +21,25 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig
-from marin_rl.envs import Env, OpenAISampler, SamplingParams, cycle_problems, evaluate, sample_group
+from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, sample_group
+from marin_rl.envs._runner import gather_all
+from marin_rl.errors import PermanentError
+from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, RetryingSampler, SeededSampler, derive_seed
+from marin_rl.orchestrator._faults import MAX_UNKNOWN_IN_A_ROW, ServerNotReady, classify, describe
+from marin_rl.orchestrator._resume import PROBLEM_POSITION_KEY
 from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
-from marin_rl.replay import AlgorithmConfig, ReplayBuffer, TeacherConfig
+from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig
+from marin_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Endpoint:
-    """An OpenAI-compatible server the workers sample from."""
-
-    base_url: str
-    model: str
-    server_id: str
-    request_timeout_s: float = 600.0
+EVAL_ATTEMPTS = 5
+"""Tries of one evaluation request that fails transiently before that env's evaluation is recorded as failed."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,15 @@ class WorkerSpec:
     eval: EvalConfig | None = None
     """Held-out evaluation settings (None: not evaluated)."""
 
+    def rollout_settings(self) -> dict:
+        """What `sample_group` and `evaluate` take from this spec besides the sampling."""
+        return dict(
+            reward_weights=self.reward_weights,
+            verifier_timeout_s=self.verifier_timeout_s,
+            max_turns=self.max_turns,
+            max_total_tokens=self.max_total_tokens,
+        )
+
     @staticmethod
     def for_algorithm(algorithm: AlgorithmConfig, **fields) -> WorkerSpec:
         """Source and scoring follow from the env's algorithm."""
@@ -76,7 +95,7 @@ def _eval_metrics(metrics: dict[str, float], env: str, mode: str) -> dict[str, f
 
 
 class EnvWorkers:
-    """Runs `replicas` workers per env; replica i of every env samples from endpoint i mod N."""
+    """Samples every env's groups on a background event loop (see the module docstring)."""
 
     def __init__(
         self,
@@ -87,12 +106,23 @@ class EnvWorkers:
         *,
         seed: int = 0,
         max_backoff_s: float = 30.0,
+        positions: Mapping[str, int] | None = None,
+        on_failure: Callable[[PermanentError], None] | None = None,
     ):
+        """`positions`: each env's problem-stream position to continue from (a checkpoint's).
+        `on_failure` is called once, from the workers' thread, with the first permanent failure."""
         if not endpoints:
             raise ValueError("EnvWorkers needs at least one endpoint")
         self.envs, self.specs, self.buffers, self.endpoints = dict(envs), dict(specs), dict(buffers), endpoints
         self.seed = seed
         self.max_backoff_s = max_backoff_s
+        self.streams = {
+            name: ProblemStream(env, seed=seed + index, position=(positions or {}).get(name, 0))
+            for index, (name, env) in enumerate(self.envs.items())
+        }  # one per env, shared by its replicas
+        self.failure: PermanentError | None = None
+        self._on_failure = on_failure
+        self._unknown_in_a_row: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,8 +132,9 @@ class EnvWorkers:
 
     # ---- lifecycle ----
 
-    def start(self) -> EnvWorkers:
-        self._thread = threading.Thread(target=self._run_loop, name="marin-rl-env-workers", daemon=True)
+    def start(self, free_running: bool = True) -> EnvWorkers:
+        """Start the event loop; with `free_running`, also the workers (else the loop waits for `fill`)."""
+        self._thread = threading.Thread(target=self._run_loop, args=(free_running,), name="marin-rl-env-workers", daemon=True)
         self._thread.start()
         self._ready.wait()
         return self
@@ -117,35 +148,39 @@ class EnvWorkers:
         if self._thread.is_alive():
             logger.warning("env workers did not stop within %.0fs", timeout)
 
-    def _run_loop(self) -> None:
+    def positions(self) -> dict[str, int]:
+        """Each env's problem-stream position (problems drawn so far), for checkpoints."""
+        return {name: stream.position for name, stream in self.streams.items()}
+
+    def _run_loop(self, free_running: bool) -> None:
         self._loop = asyncio.new_event_loop()
         try:
-            self._loop.run_until_complete(self._main())
+            self._loop.run_until_complete(self._main(free_running))
         finally:
             self._loop.close()
 
-    async def _main(self) -> None:
+    async def _main(self, free_running: bool) -> None:
         from openai import AsyncOpenAI
 
         self._stopping = asyncio.Event()
         clients = [AsyncOpenAI(base_url=e.base_url, api_key="EMPTY", max_retries=0, timeout=e.request_timeout_s) for e in self.endpoints]
-        samplers = [OpenAISampler(c, e.model, server_id=e.server_id) for c, e in zip(clients, self.endpoints)]
-        tasks = []
-        for env_index, (name, env) in enumerate(self.envs.items()):
-            spec = self.specs[name]
-            problems = cycle_problems(env, seed=self.seed + env_index)  # one stream per env, shared by its replicas
-            teacher_sampler = scorer = None
+        self._samplers = [
+            GatedSampler(OpenAISampler(c, e.model, server_id=e.server_id), e) for c, e in zip(clients, self.endpoints)
+        ]
+        self._teachers: dict[str, tuple[OpenAISampler, TeacherScorer | None]] = {}
+        for name, spec in self.specs.items():
             if spec.teacher is not None:
                 teacher_client = AsyncOpenAI(base_url=spec.teacher.base_url, api_key=spec.teacher.api_key, max_retries=0)
                 clients.append(teacher_client)
                 # A frozen teacher reports no useful version: its rollouts never age (algorithm.frozen_source).
-                teacher_sampler = OpenAISampler(teacher_client, spec.teacher.model, server_id="teacher", policy_version=0)
+                sampler = OpenAISampler(teacher_client, spec.teacher.model, server_id="teacher", policy_version=0)
                 scorer = TeacherScorer(teacher_client, spec.teacher.model) if spec.score_with_teacher else None
-            for replica in range(spec.replicas):
-                policy_sampler = samplers[replica % len(samplers)]
-                sampler = teacher_sampler if spec.source == "teacher" else policy_sampler
-                tasks.append(asyncio.create_task(self._worker(name, env, problems, sampler, scorer), name=f"{name}/{replica}"))
-        self._policy_sampler = samplers[0]
+                self._teachers[name] = (sampler, scorer)
+        tasks = []
+        if free_running:
+            for name, spec in self.specs.items():
+                for replica in range(spec.replicas):
+                    tasks.append(asyncio.create_task(self._worker(name, replica), name=f"{name}/{replica}"))
         self._ready.set()
         await self._stopping.wait()
         for task in tasks:
@@ -159,74 +194,168 @@ class EnvWorkers:
         for client in clients:
             await client.close()
 
-    # ---- one worker ----
+    # ---- one group ----
 
-    async def _worker(self, name: str, env: Env, problems, sampler, scorer: TeacherScorer | None) -> None:
+    def _policy_sampler(self, replica: int) -> GatedSampler:
+        """Endpoint `replica mod N`, or the next one that serves this run's weights while it does not."""
+        count = len(self._samplers)
+        for offset in range(count):
+            sampler = self._samplers[(replica + offset) % count]
+            if sampler.endpoint.ready:
+                return sampler
+        return self._samplers[replica % count]  # none is: its request fails as ServerNotReady, retried
+
+    def _draw(self, name: str) -> tuple[int, Problem]:
+        """The env's next problem and its position in the stream (kept in the rollouts' metadata)."""
+        stream = self.streams[name]
+        position = stream.position
+        return position, next(stream)
+
+    async def _group(self, name: str, drawn: tuple[int, Problem], replica: int) -> list[Rollout]:
+        env, spec = self.envs[name], self.specs[name]
+        position, problem = drawn
+        teacher, scorer = self._teachers.get(name, (None, None))
+        if spec.source == "dataset":
+            sampler = DemonstrationSampler(problem, env.tokenizer)
+        else:
+            sampler = teacher if spec.source == "teacher" else self._policy_sampler(replica)
+        # Seeded by the problem's position in the stream: unique in the run, resumes included, and the
+        # same in every run with this seed (a deterministic run's samples depend on nothing else).
+        sampler = SeededSampler(sampler, derive_seed(self.seed, name, position))
+        rollouts = await sample_group(env, problem, sampler, spec.group_size, spec.sampling, **spec.rollout_settings())
+        if scorer is not None:
+            rollouts = await scorer.score(rollouts)
+        self._unknown_in_a_row[name] = 0
+        return [replace(r, metadata={**r.metadata, PROBLEM_POSITION_KEY: position}) for r in rollouts]
+
+    def _note_failure(self, name: str, error: Exception) -> None:
+        """Count a failed group; raise the `PermanentError` that stops the run if retrying cannot help."""
+        self._count(f"workers/{name}/errors")
+        fault = classify(error)
+        if fault == "unknown":
+            self._unknown_in_a_row[name] += 1
+            if self._unknown_in_a_row[name] >= MAX_UNKNOWN_IN_A_ROW:
+                raise PermanentError(f"env {name!r}: {MAX_UNKNOWN_IN_A_ROW} groups in a row failed, the last with {describe(error)}") from error
+        if fault == "permanent" and isinstance(error, PermanentError):
+            raise error
+        if fault == "permanent":
+            raise PermanentError(f"env {name!r}: {describe(error)}") from error
+        if not isinstance(error, ServerNotReady):
+            logger.warning("env %s: %s (retrying)", name, describe(error))
+
+    def _fail(self, error: PermanentError) -> None:
+        if self.failure is None:
+            self.failure = error  # reported once, by whoever ends the run (train raises it)
+            if self._on_failure is not None:
+                self._on_failure(error)
+
+    def _add(self, name: str, rollouts: list[Rollout]) -> None:
+        accepted = self.buffers[name].add(rollouts)
+        self._count(f"workers/{name}/groups")
+        self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+
+    # ---- free-running ----
+
+    async def _worker(self, name: str, replica: int) -> None:
         spec, buffer = self.specs[name], self.buffers[name]
         backoff = 1.0
-        while True:
+        while self.failure is None:
             while buffer.size()[1] >= spec.max_buffered_tokens:
                 await asyncio.sleep(0.05)
             try:
-                problem = next(problems)
-                rollouts = await sample_group(
-                    env,
-                    problem,
-                    DemonstrationSampler(problem, env.tokenizer) if spec.source == "dataset" else sampler,
-                    spec.group_size,
-                    spec.sampling,
-                    reward_weights=spec.reward_weights,
-                    verifier_timeout_s=spec.verifier_timeout_s,
-                    max_turns=spec.max_turns,
-                    max_total_tokens=spec.max_total_tokens,
-                )
-                if scorer is not None:
-                    rollouts = await scorer.score(rollouts)
+                rollouts = await self._group(name, self._draw(name), replica)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a worker must survive anything an env or server does
-                self._count(f"workers/{name}/errors")
-                logger.warning("env %s worker: %s: %s (retrying in %.0fs)", name, type(e).__name__, e, backoff)
+                try:
+                    self._note_failure(name, e)
+                except PermanentError as failure:
+                    self._fail(failure)
+                    return
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, self.max_backoff_s)
                 continue
             backoff = 1.0
-            accepted = buffer.add(rollouts)
-            self._count(f"workers/{name}/groups")
-            self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+            self._add(name, rollouts)
+
+    # ---- deterministic ----
+
+    def fill(self, short: Callable[[], list[str]], cancel: threading.Event | None = None) -> None:
+        """Sample groups in a fixed order until `short()` (the envs that cannot fill their share of the
+        batch) is empty. Raises the `PermanentError` that stops the run, and
+        `BatchCancelled` when `cancel` is set while a group is being retried."""
+        asyncio.run_coroutine_threadsafe(self._fill(short, cancel or threading.Event()), self._loop).result()
+
+    async def _fill(self, short: Callable[[], list[str]], cancel: threading.Event) -> None:
+        async def fill_env(name: str) -> None:
+            replicas, next_group = self.specs[name].replicas, 0
+            while name in short():
+                indices = range(next_group, next_group + replicas)
+                problems = [self._draw(name) for _ in indices]
+                groups = await gather_all(self._group_retried(name, p, i, cancel) for p, i in zip(problems, indices))
+                for rollouts in groups:  # in group order, whatever order they finished in
+                    if name not in short():
+                        break  # the rest of this wave is not needed (its problems stay drawn)
+                    self._add(name, rollouts)
+                next_group += replicas
+
+        await gather_all(fill_env(name) for name in self.envs)
+
+    async def _group_retried(self, name: str, drawn: tuple[int, Problem], index: int, cancel: threading.Event) -> list[Rollout]:
+        backoff = 1.0
+        while True:
+            try:
+                return await self._group(name, drawn, index)
+            except Exception as e:  # noqa: BLE001 - retried with the same problem and seed, so the result is the same
+                self._note_failure(name, e)
+            if cancel.is_set():
+                raise BatchCancelled(f"env {name!r}: stopped while retrying a group")
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self.max_backoff_s)
 
     # ---- evaluation ----
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int = 0) -> dict[str, float]:
         """Evaluate every env's held-out problems with the current policy (blocks until done).
 
         Runs on the workers' event loop next to training's requests; eval rollouts are not trained on.
+        A request that fails transiently is retried; an env whose evaluation still fails is recorded
+        (`eval/{env}/failed`), never raised: evaluation does not end a run.
         """
-        return asyncio.run_coroutine_threadsafe(self._evaluate_all(), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self._evaluate_all(step), self._loop).result()
 
-    async def _evaluate_all(self) -> dict[str, float]:
+    async def _evaluate_all(self, step: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for name, env in self.envs.items():
-            spec = self.specs[name]
-            problems = env.eval_problems() if spec.eval is not None else None
-            if problems is None:
+            if self.specs[name].eval is None:
                 continue
-            problems = list(problems)[: spec.eval.max_problems]
-            common = dict(
-                reward_weights=spec.reward_weights,
-                verifier_timeout_s=spec.verifier_timeout_s,
-                max_turns=spec.max_turns,
-                max_total_tokens=spec.max_total_tokens,
-            )
-            sampling = env.sampling.merged(spec.sampling)
-            if spec.eval.greedy:
-                result = await evaluate(env, self._policy_sampler, problems, sampling=replace(sampling, temperature=0.0), **common)
-                metrics.update(_eval_metrics(result.metrics(), name, "greedy"))
-            if spec.eval.pass_at_k:
-                n = spec.eval.samples or max(spec.eval.pass_at_k)
-                sampled = replace(sampling, temperature=spec.eval.temperature)
-                result = await evaluate(env, self._policy_sampler, problems, n=n, ks=spec.eval.pass_at_k, sampling=sampled, **common)
-                metrics.update(_eval_metrics(result.metrics(), name, "sampled"))
+            sampler = RetryingSampler(self._samplers[0], max_backoff_s=self.max_backoff_s, attempts=EVAL_ATTEMPTS)
+            sampler = SeededSampler(sampler, derive_seed(self.seed, name, "eval", step))
+            try:
+                metrics.update(await self._evaluate_env(name, env, sampler))
+                metrics[f"eval/{name}/failed"] = 0.0
+            except Exception as e:  # noqa: BLE001 - recorded: training goes on
+                logger.warning("evaluation of env %s at step %d failed: %s", name, step, describe(e))
+                metrics[f"eval/{name}/failed"] = 1.0
+        return metrics
+
+    async def _evaluate_env(self, name: str, env: Env, sampler) -> dict[str, float]:
+        spec = self.specs[name]
+        problems = env.eval_problems()
+        if problems is None:
+            return {}
+        problems = list(problems)[: spec.eval.max_problems]
+        common = spec.rollout_settings()
+        sampling = env.sampling.merged(spec.sampling)
+        metrics: dict[str, float] = {}
+        if spec.eval.greedy:
+            result = await evaluate(env, sampler, problems, sampling=replace(sampling, temperature=0.0), **common)
+            metrics.update(_eval_metrics(result.metrics(), name, "greedy"))
+        if spec.eval.pass_at_k:
+            n = spec.eval.samples or max(spec.eval.pass_at_k)
+            sampled = replace(sampling, temperature=spec.eval.temperature)
+            result = await evaluate(env, sampler, problems, n=n, ks=spec.eval.pass_at_k, sampling=sampled, **common)
+            metrics.update(_eval_metrics(result.metrics(), name, "sampled"))
         return metrics
 
     def _count(self, key: str, by: int = 1) -> None:

@@ -88,7 +88,8 @@ class Batcher:
         self.buffers = dict(buffers)
         self.fractions = dict(fractions)
         self.config = config
-        self._credit: dict[str, float] = {}
+        self.credit: dict[str, float] = {}
+        """Each env's token deficit carried from batch to batch (saved in checkpoints: a resumed run goes on alike)."""
 
     def next_batch(
         self, policy_version: int, timeout: float | None = None, cancel: threading.Event | None = None
@@ -102,11 +103,9 @@ class Batcher:
         for buffer in self.buffers.values():
             buffer.set_policy_version(policy_version)
         cfg = self.config
-        capacity = cfg.num_rows * cfg.max_seq_len
         start = time.monotonic()
-        wanted = effective_shares(self.fractions, list(self.buffers))
         while True:
-            short = [env for env in self.buffers if not self._can_fill(env, wanted[env] * capacity)]
+            short = self.short_envs()
             waited = time.monotonic() - start
             if not short:
                 break
@@ -124,7 +123,7 @@ class Batcher:
         plan = plan_batch(
             {env: buffer.candidates() for env, buffer in self.buffers.items()},
             shares,
-            self._credit,
+            self.credit,
             cfg.num_rows,
             cfg.max_seq_len,
         )
@@ -136,6 +135,12 @@ class Batcher:
         packed = build_packed_arrays(groups, plan, cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
         metrics = self._metrics(groups, plan, short, wait_s, policy_version)
         return Batch(packed, groups, metrics, policy_version)
+
+    def short_envs(self) -> list[str]:
+        """The envs whose buffers cannot fill their share of a batch now."""
+        capacity = self.config.num_rows * self.config.max_seq_len
+        wanted = effective_shares(self.fractions, list(self.buffers))
+        return [env for env in self.buffers if not self._can_fill(env, wanted[env] * capacity)]
 
     def _can_fill(self, env: str, tokens: float) -> bool:
         have = 0

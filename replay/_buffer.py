@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Literal, Mapping
 
 import numpy as np
 
-from marin_rl.storage import RolloutWriter, append_reject, env_rollout_dir
+from marin_rl.storage import RolloutWriter, append_reject, env_rejects_path, env_rollout_dir
 from marin_rl.types import Rollout, RolloutValidationError, Turn
 from marin_rl.replay._algorithms import AlgorithmConfig, RlooConfig, TokenSignal
 from marin_rl.replay._packing import GroupSpec
@@ -106,8 +106,8 @@ class ReplayBuffer:
     """Holds one env's rollouts by group until the batcher takes them.
 
     `add` is thread-safe and never blocks on anything but a short lock (safe to call from an
-    asyncio worker). Bad rollouts are rejected one by one: counted, written to the env's
-    `rejects.jsonl`, and the rest of the call and of the buffer are unaffected.
+    asyncio worker). Bad rollouts are rejected one by one: counted, written to
+    `RUN/rejects/{env}.jsonl`, and the rest of the call and of the buffer are unaffected.
     """
 
     def __init__(
@@ -119,13 +119,17 @@ class ReplayBuffer:
         run_dir: str | Path | None = None,
         max_seq_len: int | None = None,
         overlong: OverlongPolicy = "reject",
+        vocab_size: int | None = None,
     ):
+        """`vocab_size`: token ids must be below it (the policy's embedding rows); None: not checked."""
         self.env = env
+        self.vocab_size = vocab_size
         self.config = config
         self.algorithm = algorithm
         self.max_seq_len = max_seq_len
         self.overlong = overlong
         self._dir = env_rollout_dir(run_dir, env) if run_dir is not None else None
+        self._rejects = env_rejects_path(run_dir, env) if run_dir is not None else None
         self._writer = (
             RolloutWriter(self._dir, config.flush_every_rollouts, config.flush_every_s) if self._dir else None
         )
@@ -137,7 +141,9 @@ class ReplayBuffer:
         self._policy_version = 0
         self._oldest_version = 2**62  # lower bound on the versions held; lets ageing skip its scan
         self._new = _Counters()
-        self._totals = dict(rejected=0, dropped_stale=0, filtered_groups=0, overlong_truncated=0, overlong_rejected=0)
+        self._totals = dict(
+            rejected=0, dropped_stale=0, dropped_unused=0, filtered_groups=0, overlong_truncated=0, overlong_rejected=0
+        )
         self._groups_seen = 0
         self._frac_used_in_batch: float | None = None
 
@@ -171,9 +177,9 @@ class ReplayBuffer:
                 self._count_new(entry)
             if accepted:
                 self._data_arrived.notify_all()
-        if self._dir is not None:
+        if self._rejects is not None:
             for record in rejects:
-                append_reject(self._dir, record)
+                append_reject(self._rejects, record)
         if self._writer is not None and accepted:
             self._writer.append(accepted)
         return len(accepted)
@@ -181,7 +187,7 @@ class ReplayBuffer:
     def _check(self, rollout: Rollout) -> Rollout:
         if not isinstance(rollout, Rollout):
             raise RolloutValidationError("?", "rollout", f"expected a Rollout, got {type(rollout).__name__}")
-        rollout.validate()
+        rollout.validate(self.vocab_size)
         if rollout.environment != self.env:
             raise RolloutValidationError(
                 rollout.rollout_uid, "environment", f"this buffer holds {self.env!r}, got {rollout.environment!r}"
@@ -290,6 +296,16 @@ class ReplayBuffer:
             used = sum(len(g.members) for g in taken)
             self._frac_used_in_batch = used / available if available else 0.0
         return taken
+
+    def drop_all(self) -> int:
+        """Forget every rollout held (a deterministic run carries nothing from one batch to the next,
+        so that a resumed run sees what an uninterrupted one saw); counted in `dropped_unused`."""
+        with self._lock:
+            dropped = self._num_rollouts
+            self._groups.clear()
+            self._num_rollouts = self._num_tokens = 0
+            self._totals["dropped_unused"] += dropped
+        return dropped
 
     def wait_for_data(self, timeout: float) -> bool:
         """Block up to `timeout` seconds for new rollouts; True if some arrived."""

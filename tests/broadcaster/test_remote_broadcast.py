@@ -3,12 +3,6 @@
 Both compile Levanter's engine (tens of seconds each on CPU): slow.
 """
 
-import json
-import os
-import subprocess
-import sys
-import time
-
 import httpx
 import jax
 import openai
@@ -17,6 +11,7 @@ import pytest
 from marin_rl.broadcaster import Broadcaster, ColocatedTransport, RemoteTransport, WeightUpdateRefused
 from marin_rl.learner import ModelConfig, build_model, save_hf_model
 from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+from marin_rl.testing import start_serve_process
 from marin_rl.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -34,24 +29,14 @@ def tiny_llama(seed: int):
 @pytest.fixture
 def serve_process(tmp_path):
     """A `serve` process started from model 0's checkpoint; yields its base URL."""
-    tokenizer = load_tokenizer("char")
-    checkpoint = save_hf_model(tiny_llama(0), tokenizer, tmp_path / "start")
-    ready = tmp_path / "ready.json"
+    checkpoint = save_hf_model(tiny_llama(0), load_tokenizer("char"), tmp_path / "start")
     flags = [f"--server.{k}={v}" for k, v in SERVER.items()]
-    command = [sys.executable, "-m", "marin_rl.orchestrator._server_process", f"--checkpoint={checkpoint}", "--server.port=0", f"--ready_file={ready}", *flags]
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen(command, env={**os.environ, "MARIN_RL_WEIGHT_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT)
+    process, base_url = start_serve_process(checkpoint, tmp_path, token=TOKEN, flags=flags)
     try:
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve process did not start:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield json.loads(ready.read_text())["base_url"]
+        yield base_url
     finally:
         process.terminate()
         process.wait(timeout=60)
-        log.close()
 
 
 def greedy(base_url: str) -> tuple[list[int], int]:

@@ -1,5 +1,6 @@
 import asyncio
 import math
+import sys
 import threading
 
 import numpy as np
@@ -19,6 +20,7 @@ from marin_rl.envs import (
     sample_group,
     xml_tag,
 )
+from marin_rl.errors import ConfigError, PromptTooLong
 
 
 class Echo(Env):
@@ -147,6 +149,14 @@ class Fragile(Env):
     def not_a_number(self):
         return "1.0"
 
+    @reward
+    def exits(self):
+        sys.exit(3)
+
+    @reward
+    async def exits_async(self):
+        sys.exit(4)  # asyncio would re-raise it out of the workers' event loop
+
 
 def test_failing_verifiers_score_zero_with_recorded_errors(tokenizer):
     env = Fragile().bind(tokenizer)
@@ -157,17 +167,53 @@ def test_failing_verifiers_score_zero_with_recorded_errors(tokenizer):
         Fragile.release.set()
     for r in rollouts:
         r.validate()
-        assert r.rewards == {"fine": 1.0, "raises": 0.0, "hangs": 0.0, "hangs_async": 0.0, "nan": 0.0, "not_a_number": 0.0}
+        assert r.rewards == {
+            "fine": 1.0, "raises": 0.0, "hangs": 0.0, "hangs_async": 0.0, "nan": 0.0, "not_a_number": 0.0,
+            "exits": 0.0, "exits_async": 0.0,
+        }  # fmt: skip
         assert r.reward == 1.0
         errors = r.metadata["reward_errors"]
-        assert set(errors) == {"raises", "hangs", "hangs_async", "nan", "not_a_number"}
+        assert set(errors) == {"raises", "hangs", "hangs_async", "nan", "not_a_number", "exits", "exits_async"}
         assert errors["raises"] == "ZeroDivisionError: boom"
+        assert errors["exits"] == "SystemExit: 3" and errors["exits_async"] == "SystemExit: 4"
         assert errors["hangs"] == errors["hangs_async"] == "timed out after 0.2s"
         assert "nan" in errors["nan"] and "'1.0'" in errors["not_a_number"]
-    assert counters["envs/Fragile/reward_errors"] == 6  # raises, nan, not_a_number, twice
+    assert counters["envs/Fragile/reward_errors"] == 10  # raises, nan, not_a_number, exits, exits_async, twice
     assert counters["envs/Fragile/reward_timeouts"] == 4
     assert counters["envs/Fragile/hung_verifier_threads"] == 2
     assert counters["envs/Fragile/rollouts"] == 2
+
+
+def test_hung_verifiers_never_hold_more_threads_than_the_pool(tokenizer):
+    release = threading.Event()
+    started = []
+
+    class Stuck(Env):
+        verifier_timeout_s = 0.1
+        verifier_threads = 2
+
+        def problems(self):
+            return [Problem(id="s", prompt="q")]
+
+        @reward
+        def hangs(self):
+            started.append(1)
+            release.wait(60)
+            return 1.0
+
+    env = Stuck().bind(tokenizer)
+    before = threading.active_count()
+    try:
+        for _ in range(5):  # 10 rollouts, each hanging past the timeout
+            for r in _rollouts(env, ScriptedSampler(tokenizer, ["x"]), n=2):
+                assert r.rewards == {"hangs": 0.0} and r.metadata["reward_errors"]["hangs"].startswith("timed out after 0.1s")
+        assert env.verifier_pool.threads == 2 and len(started) == 2  # calls queued behind them never ran
+        assert "waiting for one of the 2 verifier threads" in r.metadata["reward_errors"]["hangs"]
+        assert threading.active_count() - before == 2
+        assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 2
+        assert env.metrics.as_dict()["envs/Stuck/reward_timeouts"] == 10
+    finally:
+        release.set()
 
 
 def test_a_failing_tool_ends_the_rollout_and_is_recorded(tokenizer):
@@ -219,9 +265,9 @@ def test_build_env_by_name_and_import_path(tokenizer):
     env.tokenizer  # bound
     by_path = build_env("marin_rl.envs._calculator:CalculatorEnv", {"seed": 1}, tokenizer="char")
     assert isinstance(by_path, CalculatorEnv) and by_path.name == "calculator"
-    with pytest.raises(ValueError, match="unknown env type 'nope'.*calculator"):
+    with pytest.raises(ConfigError, match="unknown env type 'nope'.*calculator"):  # one line from the CLI
         build_env("nope")
-    with pytest.raises(ValueError, match="not an Env subclass"):
+    with pytest.raises(ConfigError, match="not an Env subclass"):
         build_env("marin_rl.envs._calculator:calculate")
     with pytest.raises(TypeError, match="cannot build CalculatorEnv"):
         build_env("calculator", {"dat": "x"})
@@ -299,5 +345,5 @@ def test_max_total_tokens_caps_every_rollout(tokenizer, render_ids):
     assert [t.role for t in ended.turns] == ["user", "assistant"] and ended.num_tokens == first_turn
     assert ended.is_truncated and ended.metadata["stop_reason"] == "max_total_tokens"
     prompt_len = len(render_ids([("user", "go")], add_generation_prompt=True))
-    with pytest.raises(ValueError, match="no room left under max_total_tokens"):
+    with pytest.raises(PromptTooLong, match="no room left under max_total_tokens"):
         asyncio.run(sample_group(env, problem, sampler, 1, max_total_tokens=prompt_len))

@@ -1,10 +1,12 @@
 import json
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from marin_rl.envs import Problem, cycle_problems, load_problems, problems_from
+from marin_rl.envs import Problem, ProblemStream, load_problems, problems_from
+from marin_rl.errors import ProblemSourceError
 
 RECORDS = [
     {"messages": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "level": i % 2} for i in range(10)
@@ -60,12 +62,46 @@ def test_bad_records_and_files_are_named(tmp_path):
 def test_python_iterables_and_cycling():
     problems = list(problems_from([{"prompt": "a"}, Problem(id="b", prompt="b")], prefix="mine"))
     assert [p.id for p in problems] == ["mine:0", "b"]
-    stream = cycle_problems(lambda: problems, shuffle=False)
+    stream = ProblemStream(lambda: problems, shuffle=False)
     assert [next(stream).id for _ in range(5)] == ["mine:0", "b", "mine:0", "b", "mine:0"]
+    assert stream.position == 5
 
     def generate():
         yield from problems_from([{"prompt": "x"}])
 
-    assert [next(s).id for s in [cycle_problems(generate)] for _ in range(3)] == ["problem:0"] * 3
-    with pytest.raises(ValueError, match="yielded nothing"):
-        next(cycle_problems(lambda: []))
+    assert [next(s).id for s in [ProblemStream(generate)] for _ in range(3)] == ["problem:0"] * 3
+
+
+def test_a_stream_continues_from_its_position():
+    problems = [Problem(id=str(i), prompt=str(i)) for i in range(7)]
+
+    def ids(stream, n):
+        return [next(stream).id for _ in range(n)]
+
+    whole = ids(ProblemStream(lambda: problems, seed=3), 30)
+    assert sorted(whole[:7]) == sorted(whole[7:14]) == [p.id for p in problems]
+    assert whole[:7] != whole[7:14], "each epoch is reshuffled"
+    for position in (0, 5, 7, 19):
+        assert ids(ProblemStream(lambda: problems, seed=3, position=position), 30 - position) == whole[position:]
+
+    def generate():  # a procedural source: its own RNG, restarted each epoch
+        rng = random.Random(0)
+        for i in range(5):
+            yield Problem(id=f"{i}:{rng.random()}", prompt="x")
+
+    stream = ProblemStream(generate)
+    whole = ids(stream, 12)
+    assert ids(ProblemStream(generate, position=8), 4) == whole[8:]
+
+
+def test_a_failing_source_fails_every_draw_with_a_permanent_error(tmp_path):
+    from marin_rl.envs import ExactMatchEnv
+
+    stream = ProblemStream(ExactMatchEnv(data=str(tmp_path / "missing.jsonl")).bind("char", name="qa"))
+    for _ in range(2):  # every replica sharing the stream sees the same error, not a StopIteration
+        with pytest.raises(ProblemSourceError, match=r"env 'qa': the problem source failed .*missing.jsonl"):
+            next(stream)
+    with pytest.raises(ProblemSourceError, match="yielded nothing"):
+        next(ProblemStream(lambda: []))
+    with pytest.raises(ProblemSourceError, match="yielded nothing"):
+        ProblemStream(lambda: iter(()), position=3)

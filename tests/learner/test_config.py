@@ -45,6 +45,10 @@ def test_configs_decode_from_yaml_style_dicts_with_type_choices():
         (lambda: LossConfig(eps_low=1.0), "LossConfig.eps_low"),
         (lambda: TokenSum(constant=0.0), "TokenSum.constant"),
         (lambda: LearnerConfig(microbatch_rows=0), "LearnerConfig.microbatch_rows"),
+        (lambda: OptimizerConfig(learning_rate=-1e-3), "OptimizerConfig.learning_rate"),
+        (lambda: OptimizerConfig(learning_rate=float("nan")), "OptimizerConfig.learning_rate"),
+        (lambda: OptimizerConfig(warmup_steps=-1), "OptimizerConfig.warmup_steps"),
+        (lambda: OptimizerConfig(max_grad_norm=0.0), "OptimizerConfig.max_grad_norm"),
     ],
 )
 def test_invalid_config_values_name_the_field(build, message):

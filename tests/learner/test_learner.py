@@ -125,13 +125,13 @@ def test_checkpoint_kill_resume_gives_the_uninterrupted_parameters(tmp_path, tok
 
     interrupted = make_learner(tmp_path / "b", tokenizer, tiny_model_config)
     interrupted.step(first)
-    checkpoint = interrupted.save_checkpoint()
+    checkpoint = interrupted.save_checkpoint({"problem_positions": {"math": 12}})
     assert checkpoint == tmp_path / "b" / "checkpoints" / "step-1"
     del interrupted  # the "kill"
     (tmp_path / "b" / "checkpoints" / "step-7").mkdir()  # an incomplete checkpoint: no completion marker
 
     resumed = make_learner(tmp_path / "b", tokenizer, tiny_model_config, key=99)  # the key comes from the checkpoint
-    assert resumed.restore_latest()
+    assert resumed.restore_latest() == {"problem_positions": {"math": 12}}  # the loop's state, saved with it
     assert resumed.policy_version == 1
     resumed.step(second)
     assert resumed.policy_version == 2
@@ -144,7 +144,7 @@ def test_checkpoint_kill_resume_gives_the_uninterrupted_parameters(tmp_path, tok
 
 def test_nothing_to_restore_and_checkpoint_pruning(tmp_path, tokenizer, tiny_model_config, example):
     learner = make_learner(tmp_path, tokenizer, tiny_model_config)
-    assert not learner.restore_latest()
+    assert learner.restore_latest() is None
     for _ in range(3):
         learner.step(example)
         learner.save_checkpoint()

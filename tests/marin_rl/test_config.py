@@ -86,3 +86,24 @@ def test_serve_command_reads_its_config_from_flags(monkeypatch):
     assert main(["serve", "--checkpoint", "/ckpt", "--tokenizer", "char", "--server.port", "8011"]) == 0
     assert seen["config"].checkpoint == "/ckpt" and seen["config"].server.port == 8011
     assert seen["config"].server.host == "127.0.0.1"
+
+
+def test_serve_refuses_a_checkpoint_that_is_not_a_local_dir_in_one_line(tmp_path, capsys):
+    # transformers would take the path for a hub name and try to download it.
+    assert main(["serve", "--checkpoint", str(tmp_path / "typo/dir"), "--tokenizer", "char"]) == 1
+    err = capsys.readouterr().err
+    assert "typo/dir" in err and "not a local Hugging Face checkpoint" in err and "Traceback" not in err
+
+
+def test_the_written_config_holds_no_weight_update_token():
+    config = load_config(
+        QUICKSTART, ["--broadcaster.weight_update_token=s3cret", "--server.weight_update_token=s3cret", "--learner.optimizer.learning_rate=1e-5"]
+    )
+    text = dump_config(config)
+    assert "s3cret" not in text and "learning_rate: 1.0e-05" in text
+    assert load_config(_dump(config)).broadcaster.weight_update_token is None  # read from the environment again
+
+
+def test_a_negative_learning_rate_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="learning_rate must be >= 0"):
+        load_config(QUICKSTART, ["--learner.optimizer.learning_rate=-1e-3"])

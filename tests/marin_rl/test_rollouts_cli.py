@@ -50,8 +50,9 @@ def test_export_jsonl_round_trips_token_ids(run_dir, tmp_path, capsys):
 def test_corrupt_segment_is_named_and_the_rest_still_summarised(run_dir, capsys):
     (run_dir / "rollouts" / "math" / "segment-00000007.parquet").write_bytes(b"junk")
     assert main(["rollouts", "summary", str(run_dir)]) == 1
-    out = capsys.readouterr().out.replace("\n", "")
-    assert "segment-00000007.parquet" in out
+    captured = capsys.readouterr()
+    out, err = captured.out.replace("\n", ""), captured.err.replace("\n", "")
+    assert "segment-00000007.parquet" in err and "segment-00000007" not in out  # stdout stays the report
     assert "toy" in out and "math" in out
 
 

@@ -179,6 +179,36 @@ def test_a_prompt_filling_the_context_is_refused():
     assert e.value.body["param"] == "prompt"
 
 
+def test_a_text_prompt_that_cannot_fit_is_refused_before_tokenizing(monkeypatch):
+    worker = ScriptedWorker([ids("a")])
+    http = TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB))
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(TOKENIZER, "encode", no_tokenizing)
+    monkeypatch.setattr(TOKENIZER, "apply_chat_template", no_tokenizing)
+    long_text = "1" * 1_000_000
+    completion = http.post("/v1/completions", json={"prompt": long_text})
+    chat_ = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]})
+    for response, param in ((completion, "prompt"), (chat_, "messages")):
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == param and "1000000 characters" in error["message"]
+    assert worker.jobs == []
+
+
+def test_a_body_over_the_limit_gets_413_and_the_server_goes_on():
+    worker = ScriptedWorker([ids("a")])
+    http = TestClient(build_app(InferenceServerConfig(max_seq_len=64, max_request_bytes=1000), TOKENIZER, worker, VOCAB))
+    declared = http.post("/v1/completions", json={"prompt": "1" * 2000})
+    streamed = http.post("/v1/completions", content=iter([b'{"prompt": "', b"1" * 600, b"1" * 600, b'"}']))  # chunked
+    assert declared.status_code == streamed.status_code == 413
+    assert "Too Large" in declared.text and streamed.json()["error"]["code"] == 413
+    assert worker.jobs == []
+    assert http.post("/v1/completions", json={"prompt": "1+1=", "max_tokens": 1}).status_code == 200
+
+
 def test_unknown_model_is_404_and_error_body_is_openai_shaped():
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         chat(client_for(ScriptedWorker([ids("a")])), model="gpt-9")
@@ -215,7 +245,8 @@ def test_async_client_models_and_health():
     rs, models, health, version = asyncio.run(go())
     assert [r.choices[0].message.content for r in rs] == ["ok"] * 3
     assert [m.id for m in models.data] == ["policy"]
-    assert health == {"status": "ok", "policy_version": 3} and version["policy_version"] == 3
+    assert health["status"] == "ok" and health["policy_version"] == version["policy_version"] == 3
+    assert health["instance"] == version["instance"]  # a restarted process has another
 
 
 def test_truncate_at_stop_keeps_the_token_that_completed_the_stop():
@@ -276,3 +307,6 @@ def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkp
     failed = weight_update_app(worker, tmp_path, load=broken).post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 2}, headers=auth)
     assert failed.status_code == 400 and "no model.safetensors" in failed.json()["error"]["message"]
     assert worker.policy_version == 1
+    # A resumed run rolls its servers back to its checkpoint.
+    rolled_back = http.post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 0, "reset": True}, headers=auth)
+    assert rolled_back.status_code == 200 and worker.policy_version == 0

@@ -21,6 +21,12 @@ def test_a_partial_last_line_is_skipped(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
 
+def test_a_run_resumed_before_abandoned_steps_were_set_aside_reads_one_record_per_step(tmp_path):
+    lines = [{"step": 1, "v": "a"}, {"step": 2, "v": "abandoned"}, {"step": 2, "v": "b"}, {"step": 3, "v": "c"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [(r["step"], r["v"]) for r in read_metrics(tmp_path)] == [(1, "a"), (2, "b"), (3, "c")]
+
+
 def test_summary_line_shows_reward_per_env_and_throughput():
     metrics = {
         "batches/a/reward_mean": 1.0,

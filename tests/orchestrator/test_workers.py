@@ -1,6 +1,5 @@
 """Env workers keep sampling through server failures."""
 
-import socket
 import time
 
 import jax
@@ -9,15 +8,11 @@ import pytest
 from marin_rl.envs import build_env
 from marin_rl.learner import ModelConfig, build_model
 from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
-from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
+from marin_rl.orchestrator._endpoints import Endpoint
+from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
 from marin_rl.replay import ReplayBuffer, ReplayBufferConfig
+from marin_rl.testing import free_port
 from marin_rl.tokenizer import load_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(condition, timeout=120.0, what="condition"):
@@ -53,3 +48,94 @@ def test_workers_report_errors_while_the_server_is_down_and_resume_when_it_is_ba
     finally:
         workers.stop()
         server.shutdown()
+
+
+def run_workers_until_failure(env, endpoint_url, replicas=2):
+    """Free-running workers against `endpoint_url`; returns the failures reported and the buffer."""
+    failures = []
+    buffer = ReplayBuffer(env.name, ReplayBufferConfig(min_group_size=1))
+    spec = WorkerSpec(replicas=replicas, group_size=2, max_total_tokens=32)
+    workers = EnvWorkers({env.name: env}, {env.name: spec}, {env.name: buffer}, [Endpoint(endpoint_url, "policy", "embedded")], on_failure=failures.append)
+    workers.start()
+    try:
+        wait_until(lambda: failures, timeout=30, what="a permanent failure")
+        time.sleep(0.3)  # a retry, if any, would come within the first backoff
+    finally:
+        workers.stop()
+    return failures, buffer, workers
+
+
+def test_a_400_is_never_retried_and_stops_the_run(serve_asgi):
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    requests = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def refuse():
+        requests.append(1)
+        return JSONResponse({"error": {"message": "max_tokens too large", "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
+
+    env = build_env("toy_addition", {}, tokenizer=load_tokenizer("char"), name="addition")
+    failures, buffer, workers = run_workers_until_failure(env, f"{serve_asgi(app)}/v1")
+    assert len(failures) == 1 and "env 'addition'" in str(failures[0]) and "400" in str(failures[0])
+    assert len(requests) == 2  # one per replica, none retried
+    assert buffer.size() == (0, 0)
+
+
+def test_a_missing_data_file_or_a_prompt_over_the_row_stops_the_run_without_a_request(tmp_path):
+    from marin_rl.errors import ProblemSourceError, PromptTooLong
+
+    tokenizer = load_tokenizer("char")
+    missing = build_env("exact_match", {"data": str(tmp_path / "nonexistent.jsonl")}, tokenizer=tokenizer, name="qa")
+    (tmp_path / "long.jsonl").write_text('{"prompt": "' + "x" * 100 + '", "answer": "y"}\n')
+    long = build_env("exact_match", {"data": str(tmp_path / "long.jsonl")}, tokenizer=tokenizer, name="qa")
+    unreachable = f"http://127.0.0.1:{free_port()}/v1"  # never contacted
+    for env, error in ((missing, ProblemSourceError), (long, PromptTooLong)):
+        failures, _, workers = run_workers_until_failure(env, unreachable)
+        assert len(failures) == 1 and isinstance(failures[0], error) and "env 'qa'" in str(failures[0])
+        assert workers.metrics()["workers/qa/errors"] <= 2  # each replica gave up at its first try
+
+
+class FlakyEngine:
+    """Stands in for the engine behind the real HTTP app: the first `failures` jobs fail (HTTP 500)."""
+
+    def __init__(self, failures):
+        self.failures = failures
+        self.policy_version = 0
+        tokenizer = load_tokenizer("char")
+        self.answer = tokenizer.encode("4", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def submit(self, job):
+        from marin_rl.engine import JobResult, Sample
+
+        if self.failures > 0:
+            self.failures -= 1
+            job.future.set_exception(RuntimeError("engine failure"))
+        else:
+            job.future.set_result(JobResult([Sample(self.answer, [-0.1] * len(self.answer))] * job.n, None, self.policy_version))
+        return job.future
+
+
+def test_a_failed_evaluation_is_retried_then_recorded_and_never_ends_the_run(serve_asgi):
+    from marin_rl.config import EvalConfig
+    from marin_rl.orchestrator._server_app import build_app
+
+    tokenizer = load_tokenizer("char")
+    engine = FlakyEngine(failures=3)
+    url = serve_asgi(build_app(InferenceServerConfig(max_seq_len=64), tokenizer, engine, len(tokenizer)))
+    env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
+    spec = WorkerSpec(replicas=1, group_size=2, eval=EvalConfig())
+    buffer = ReplayBuffer("addition")
+    workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [Endpoint(f"{url}/v1", "policy", "embedded")], max_backoff_s=0.05)
+    workers.start(free_running=False)
+    try:
+        retried = workers.evaluate(step=0)
+        assert retried["eval/addition/failed"] == 0 and engine.failures == 0  # three 500s, each retried
+        assert "eval/addition/greedy/reward/mean" in retried
+        engine.failures = 10**9  # down for good
+        failed = workers.evaluate(step=1)
+        assert failed == {"eval/addition/failed": 1.0}
+    finally:
+        workers.stop()

@@ -75,10 +75,11 @@ def test_zero_variance_groups_are_dropped_when_configured():
         (lambda r: dataclasses.replace(r, reward=float("nan")), "reward"),
         (lambda r: _with_assistant(r, token_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32)), "turns[1].token_ids"),
         (lambda r: dataclasses.replace(r, rewards={"correct": float("inf")}), "rewards['correct']"),
+        (lambda r: _with_assistant(r, token_ids=np.array([5, VOCAB], np.int32), logprobs=np.zeros(2, np.float32)), "turns[1].token_ids"),
     ],
 )
 def test_bad_rollouts_are_rejected_naming_field_and_uid_and_nothing_else_changes(tmp_path, breakage, field):
-    buffer = ReplayBuffer("env", run_dir=tmp_path, config=ReplayBufferConfig(flush_every_rollouts=1))
+    buffer = ReplayBuffer("env", run_dir=tmp_path, config=ReplayBufferConfig(flush_every_rollouts=1), vocab_size=VOCAB)
     good = make_group([1.0, 0.0], group_id="good")
     buffer.add(good)
     bad = breakage(make_rollout(group_id="good", rollout_uid="bad-uid"))
@@ -86,9 +87,12 @@ def test_bad_rollouts_are_rejected_naming_field_and_uid_and_nothing_else_changes
     assert buffer.add([bad, fine]) == 1
     assert buffer.size()[0] == 3
     assert sorted(r.rollout_uid for r in read_rollouts(tmp_path)) == sorted([*(r.rollout_uid for r in good), fine.rollout_uid])
-    (reject,) = [json.loads(line) for line in (tmp_path / "rollouts/env/rejects.jsonl").read_text().splitlines()]
+    (reject,) = [json.loads(line) for line in (tmp_path / "rejects/env.jsonl").read_text().splitlines()]
     assert reject["rollout_uid"] == "bad-uid" and reject["field"] == field
     assert buffer.metrics()["replays/env/rejected"] == 1
+
+
+VOCAB = 100  # make_rollout draws ids below it
 
 
 def _with_assistant(rollout, **changes):

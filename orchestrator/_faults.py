@@ -1,0 +1,64 @@
+"""Which run-time failures are worth retrying.
+
+- transient: a server is down, restarting, overloaded or slow (connection refused or reset, a timeout,
+  HTTP 5xx or 429), or not yet serving this run's weights. Retried with backoff: the run goes on.
+- permanent: retrying gives the same answer: a `PermanentError` (a missing data file, a prompt longer
+  than the row), a `ConfigError`, a 4xx that says the request itself is wrong (a 400 is never
+  retried), an answer the sampler cannot use. The run stops with one line, after a checkpoint.
+- unknown: anything else, usually an env's own bug with one problem. Retried; an env whose groups fail
+  this way `MAX_UNKNOWN_IN_A_ROW` times in a row with no success in between stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import httpx
+import openai
+import tenacity
+
+from marin_rl.envs import SamplerError
+from marin_rl.errors import ConfigError, PermanentError
+
+logger = logging.getLogger(__name__)
+
+Fault = Literal["transient", "permanent", "unknown"]
+
+MAX_UNKNOWN_IN_A_ROW = 20
+"""Consecutive unclassified failures of one env's groups that stop the run (nothing would ever train)."""
+
+_RETRIED_STATUSES = (408, 429)
+
+
+class ServerNotReady(Exception):
+    """No server that serves this run's weights can take the request now (all down or restarting)."""
+
+
+def classify(error: BaseException) -> Fault:
+    if isinstance(error, (PermanentError, ConfigError, SamplerError, FileNotFoundError)):
+        return "permanent"
+    if isinstance(error, openai.APIStatusError):
+        return "transient" if error.status_code >= 500 or error.status_code in _RETRIED_STATUSES else "permanent"
+    if isinstance(error, (openai.APIConnectionError, httpx.TransportError, ConnectionError, TimeoutError, ServerNotReady)):
+        return "transient"
+    return "unknown"
+
+
+def describe(error: BaseException) -> str:
+    """One line: the error's type and message (an openai error's message already names the status)."""
+    return f"{type(error).__name__}: {error}"
+
+
+def retry_transient(*, max_backoff_s: float, attempts: int | None = None) -> tenacity.AsyncRetrying:
+    """Retries of transient failures (1, 2, 4 ... s, at most `max_backoff_s`); others are raised at once.
+    `attempts` None retries until it succeeds or fails otherwise."""
+    return tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(lambda e: classify(e) == "transient"),
+        wait=tenacity.wait_exponential(multiplier=1, max=max_backoff_s),
+        stop=tenacity.stop_never if attempts is None else tenacity.stop_after_attempt(attempts),
+        before_sleep=lambda state: logger.warning(
+            "attempt %d failed (%s); retrying", state.attempt_number, describe(state.outcome.exception())
+        ),
+        reraise=True,
+    )

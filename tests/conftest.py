@@ -1,0 +1,37 @@
+"""Fixtures shared by the test folders."""
+
+import threading
+import time
+
+import pytest
+
+
+@pytest.fixture
+def serve_asgi():
+    """`serve_asgi(app, port=0) -> base URL`: an ASGI app on 127.0.0.1 under uvicorn in a thread, for tests
+    that need a real HTTP server without a model; `.stop(url)` stops one early (a server that dies)."""
+    import uvicorn
+
+    servers = {}
+
+    def serve(app, port: int = 0) -> str:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        servers[url] = (server, thread)
+        return url
+
+    def stop(url: str) -> None:
+        server, thread = servers.pop(url)
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    serve.stop = stop
+    yield serve
+    for url in list(servers):
+        stop(url)
