@@ -9,6 +9,7 @@ place. Read top to bottom: set up, loop, shut down.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import ConfigError, RunDirError
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
+from marin_rl.orchestrator._preflight import CheckedRun, check_run, check_run_dir, holds_run
 from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -31,45 +32,45 @@ class TrainResult:
     """True when a stop was requested (Ctrl-C / SIGTERM) before max_steps."""
 
 
-def prepare_run_dir(config: TrainConfig, resume: bool) -> Path:
-    """Create RUN/ and write the resolved config; never write over a previous run unless resuming."""
+def prepare_run_dir(config: TrainConfig, resume: bool) -> tuple[Path, bool]:
+    """Create RUN/ and write the resolved config; never write over a previous run unless resuming.
+
+    Returns the directory and whether this call created it (then a failed start removes it)."""
     run_dir = Path(config.run_dir)
-    has_checkpoints = any((run_dir / "checkpoints").glob("step-*"))
-    if resume and not has_checkpoints:
-        raise RunDirError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(
-            f"run_dir {run_dir} already holds a run; pass --resume to continue it, or choose another "
-            "--run_dir (nothing was changed)"
-        )
+    check_run_dir(run_dir, resume)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
-    return run_dir
+    return run_dir, created
 
 
-def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None) -> TrainResult:
-    """Train until `config.max_steps` or until `stop` is set; always flushes rollouts and checkpoints."""
+def train(
+    config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None, checked: CheckedRun | None = None
+) -> TrainResult:
+    """Train until `config.max_steps` or until `stop` is set; always flushes rollouts and checkpoints.
+
+    `checked` is `check_run(config)`'s result when the caller already ran the checks."""
     stop = stop or threading.Event()
-    if config.model.attn_backend == "cudnn":
-        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
-        # capture fails when the colocated server launches kernels from its thread meanwhile.
-        raise ConfigError(
-            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
-            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
-        )
-    run_dir = prepare_run_dir(config, resume)
+    checked = checked or check_run(config, resume=resume)
+    run_dir, created = prepare_run_dir(config, resume)
+    try:
+        return _train(config, run_dir, resume, stop, checked)
+    except BaseException:
+        if created and not holds_run(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)  # a start that failed leaves nothing to delete by hand
+        raise
 
+
+def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Event, checked: CheckedRun) -> TrainResult:
     # Heavy imports after the config is known to be good.
     import jax
 
-    from marin_rl.envs import build_env
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
     from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer, effective_shares
-    from marin_rl.tokenizer import load_tokenizer
 
     # --- set up
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = checked.tokenizer
     learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed))
     if resume:
         learner.restore_latest()
@@ -90,9 +91,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
         for env in config.envs
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
-    envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
-    for e in config.envs:  # now the env's own default sampling is known
-        e.check_algorithm(envs[e.name].sampling.merged(e.sampling).temperature)
+    envs = checked.envs
     budget = config.batcher.num_rows * config.batcher.max_seq_len
     # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
     # remainder, so it gets an even share for this purpose).
