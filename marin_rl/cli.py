@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         # A second Ctrl-C: what was pending is written (train's clean-up ran), the final checkpoint is not.
         if args.debug:
             raise
-        errors.print("[yellow]aborted[/]: no final checkpoint (the latest one and the rollouts are on disk)")
+        errors.print("[yellow]aborted[/]: the rollouts are on disk; the final checkpoint was not written")
         return INTERRUPTED
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: not an error. Keep Python from complaining at exit.

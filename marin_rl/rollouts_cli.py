@@ -82,14 +82,13 @@ def summary_command(args, console: Console) -> int:
         row["truncated"].append(r.is_truncated)
         for name, value in r.rewards.items():
             row[f"rewards/{name}"].append(value)
-    reward_names = sorted({k for row in stats.values() for k in row if k.startswith("rewards/")})
-    table = Table(title=f"rollouts in {args.run}")
-    table.add_column("env")
+    env_width = max(len(env) for env, _ in stats)
+    # Two narrow tables rather than one wide one: they fit 80 columns and never cut an env's name.
+    table = Table(title=f"rollouts of {args.run.resolve().name}")
+    table.add_column("env", no_wrap=True, min_width=env_width)
     # version, rollouts, tokens, generated tokens per rollout, reward mean/std, truncated fraction
     for column in ("ver", "n", "tokens", "gen/n", "reward", "std", "trunc"):
-        table.add_column(column, justify="right", min_width=len(column))
-    for name in reward_names:
-        table.add_column(name[len("rewards/") :], justify="right", min_width=len(name) - len("rewards/"))
+        table.add_column(column, justify="right")
     for (env, version), row in sorted(stats.items()):
         table.add_row(
             env,
@@ -100,10 +99,33 @@ def summary_command(args, console: Console) -> int:
             f"{np.mean(row['reward']):.3f}",
             f"{np.std(row['reward']):.3f}",
             f"{np.mean(row['truncated']):.0%}",
-            *(f"{np.mean(row[name]):.3f}" if name in row else "-" for name in reward_names),
         )
     console.print(table)
+    console.print(_named_rewards_table(stats, env_width))
     return reader.report(console)
+
+
+def _named_rewards_table(stats: dict[tuple[str, int], dict], env_width: int) -> Table:
+    """Each env's named rewards: mean at its first and latest policy version, and over all rollouts."""
+    table = Table(title="named rewards", caption="mean at the env's first and latest policy version, and overall")
+    table.add_column("env", no_wrap=True, min_width=env_width)
+    table.add_column("reward")
+    for column in ("first", "latest", "all"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for env in sorted({env for env, _ in stats}):
+        versions = sorted(v for e, v in stats if e == env)
+        names = sorted({k for v in versions for k in stats[(env, v)] if k.startswith("rewards/")})
+        for name in names:
+            first, latest = stats[(env, versions[0])], stats[(env, versions[-1])]
+            everything = [x for v in versions for x in stats[(env, v)].get(name, [])]
+            table.add_row(
+                env,
+                name.removeprefix("rewards/"),
+                f"{np.mean(first[name]):.3f}" if name in first else "-",
+                f"{np.mean(latest[name]):.3f}" if name in latest else "-",
+                f"{np.mean(everything):.3f}",
+            )
+    return table
 
 
 def show_command(args, console: Console) -> int:

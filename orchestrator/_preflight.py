@@ -93,7 +93,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
 
         checkpoints = complete_checkpoints(run_dir / "checkpoints")
         if not checkpoints:
-            raise RunDirError(f"--resume: {run_dir} has no complete checkpoint to resume from (start it without --resume)")
+            raise RunDirError(
+                f"--resume: {run_dir} has no complete checkpoint to resume from (it stopped before its first "
+                "checkpoint: delete it, or choose another --run_dir, and start without --resume)"
+            )
         return checkpoints[-1]
     if holds_run(run_dir):
         raise RunDirError(
