@@ -39,6 +39,19 @@ def add_parser(subparsers) -> None:
     show.add_argument("-n", type=int, default=5, help="how many to show (default 5)")
     show.set_defaults(handler=show_command)
 
+    view = commands.add_parser(
+        "view",
+        help="browse rollouts in a web page: filters, conversations, tokens coloured by log-prob or advantage",
+        description="Serve a viewer of RUN's rollouts on http://127.0.0.1:PORT/ (this machine only) until Ctrl-C, "
+        "or write it as one self-contained HTML file with -o.",
+    )
+    view.add_argument("run", type=Path)
+    view.add_argument("-o", "--output", type=Path, help="write one HTML file (the newest --limit rollouts) instead of serving")
+    view.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
+    view.add_argument("--limit", type=int, default=2000, help="rollouts in an HTML file, newest first (default 2000)")
+    view.add_argument("--tokenizer", help="tokenizer to show sampled tokens with (default: the run's)")
+    view.set_defaults(handler=view_command)
+
     export = commands.add_parser("export", help="write every rollout as one JSON object per line")
     export.add_argument("run", type=Path)
     export.add_argument("--format", choices=["jsonl"], required=True)
@@ -168,6 +181,25 @@ def render_rollout(r: Rollout) -> Panel:
     if r.metadata:
         subtitle += f" · {json.dumps(r.metadata, default=str)[:200]}"
     return Panel(body, title=escape(title), subtitle=escape(subtitle), title_align="left", subtitle_align="left")
+
+
+def view_command(args, console: Console) -> int:
+    from marin_rl import viewer
+
+    index, reader = viewer.open_run(args.run, args.tokenizer)
+    if args.output is not None:
+        count = viewer.write_html(index, reader, args.output, args.limit)
+        console.print(f"wrote {args.output}: {count} of {index.size} rollouts (newest first)", highlight=False)
+        return 0
+    server = viewer.make_server(index, reader, args.port)
+    console.print(f"{index.size} rollouts of {args.run} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
 
 
 def rollout_to_json(r: Rollout) -> dict:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -74,3 +78,14 @@ def make_group(
         )
         for i, (r, n) in enumerate(zip(rewards, completion_lens, strict=True))
     ]
+
+
+QUICK_RUN = ["--batcher.total_token_budget=640", "--batcher.max_wait_s=5", "--server.max_seqs=16"]
+"""Overrides that shrink the quickstart so a step is quick on a shared CPU."""
+
+
+def run_command(args: list[str], cwd: str | os.PathLike | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`marin-rl ARGS` as a user runs it: the installed script, without PYTHONPATH."""
+    script = Path(sys.executable).with_name("marin-rl")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

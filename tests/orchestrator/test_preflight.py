@@ -102,3 +102,14 @@ def test_the_command_exits_2_without_a_traceback_and_debug_raises(tmp_path):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="unknown env type 'nope'"):  # --debug: the exception, with its traceback
         main(["--debug", *command[3:]])
+
+
+def test_resume_says_which_checkpoint_it_starts_from(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    for step in (2, 4):
+        (run_dir / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step-{step}" / "COMPLETE").write_text("")
+    (run_dir / "checkpoints" / "step-6").mkdir()  # not complete: a crash while writing it
+    monkeypatch.setattr(_train, "_train", lambda config, run_dir, *args: _train.TrainResult(run_dir, 5, False))
+    assert main(["train", QUICKSTART, f"--run_dir={run_dir}", "--resume", "--max_steps=5"]) == 0
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-4'}\n" in capsys.readouterr().out
