@@ -206,7 +206,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     try:
         checked = normalize(TrainConfig, raw)
     except SchemaError as e:
-        where = "command line" if any(e.path[: len(k)] == k for k in from_command_line) else str(path or "config")
+        overridden = any(k[: len(e.path)] == e.path[: len(k)] for k in from_command_line)  # one within the other
+        where = "command line" if overridden else str(path or "config")
         raise ConfigError(f"{where}: {e}") from e
     try:
         return draccus.decode(TrainConfig, checked)
@@ -233,11 +234,15 @@ def apply_overrides(raw: dict, args: list[str]) -> list[tuple[str, ...]]:
         if parts[0] == "envs" and len(parts) > 2:
             parts[1] = _env_index(raw, parts[1], key)
         target = raw
-        for depth, part in enumerate(parts[:-1]):
-            target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
+        for depth, part in enumerate(parts):
             if not isinstance(target, dict | list):
-                raise ConfigError(f"command line: --{key}: {'.'.join(parts[: depth + 1])} is not a section")
-        target[parts[-1]] = yaml.safe_load(value) if value.strip() else value
+                raise ConfigError(f"command line: --{key}: {'.'.join(parts[:depth])} is not a section")
+            if isinstance(target, list) and not (part.isdigit() and int(part) < len(target)):
+                raise ConfigError(f"command line: --{key}: {'.'.join(parts[:depth])} has {len(target)} items, no item {part!r}")
+            if depth == len(parts) - 1:
+                target[int(part) if isinstance(target, list) else part] = yaml.safe_load(value) if value.strip() else value
+            else:
+                target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
         paths.append(tuple(parts))
         i += 1
     return paths

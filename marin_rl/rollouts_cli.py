@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from marin_rl.errors import ConfigError
 from marin_rl.storage import SegmentError, iter_run_segments, table_to_rollouts
 from marin_rl.types import Rollout
 
@@ -191,7 +192,10 @@ def view_command(args, console: Console) -> int:
         count = viewer.write_html(index, reader, args.output, args.limit)
         console.print(f"wrote {args.output}: {count} of {index.size} rollouts (newest first)", highlight=False)
         return 0
-    server = viewer.make_server(index, reader, args.port)
+    try:
+        server = viewer.make_server(index, reader, args.port)
+    except OSError as e:
+        raise ConfigError(f"--port {args.port}: {e.strerror}; pass another --port (0 picks a free one)") from e
     console.print(f"{index.size} rollouts of {args.run} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", highlight=False)
     try:
         server.serve_forever()

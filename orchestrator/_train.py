@@ -18,7 +18,7 @@ from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._preflight import CheckedRun, check_run, check_run_dir, holds_run
+from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
 from marin_rl.orchestrator._workers import Endpoint, EnvWorkers, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def prepare_run_dir(config: TrainConfig, resume: bool) -> tuple[Path, bool]:
     check_run_dir(run_dir, resume)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    (run_dir / RUN_CONFIG).write_text(dump_config(config))
     return run_dir, created
 
 

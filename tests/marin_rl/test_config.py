@@ -64,6 +64,21 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(tmp_path, text,
         load_config(write(tmp_path, text))
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--run_dir.x=1"], "command line: --run_dir.x: run_dir is not a section"),
+        (["--broadcaster.remote_servers=[]", "--broadcaster.remote_servers.0=x"], "remote_servers has 0 items, no item '0'"),
+        (["--broadcaster.remote_servers.a=1"], r"command line: broadcaster.remote_servers: {'a': 1} is not a list"),
+        (["--max_steps"], "--max_steps needs a value"),
+        (["max_steps=3"], "'max_steps=3' is not an override"),
+    ],
+)
+def test_malformed_overrides_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(QUICKSTART, overrides)
+
+
 def test_lenient_scalars_become_exact():
     config = load_config(QUICKSTART, ["--run_dir", "2024", "--learner.optimizer.learning_rate", "1e-5"])
     assert config.run_dir == "2024" and config.learner.optimizer.learning_rate == 1e-5
