@@ -27,9 +27,15 @@ assistant turn and returns the user/tool messages to add (or None to end the rol
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from marin_rl.envs._chat import Message
@@ -231,25 +237,80 @@ def env_types() -> dict[str, type[Env]]:
 
 
 def resolve_env_class(type_: str) -> type[Env]:
-    """A registered name, or an import path `package.module:ClassName`."""
-    if ":" in type_:
-        module_name, _, attr = type_.partition(":")
-        cls = getattr(importlib.import_module(module_name), attr, None)
-        if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise ConfigError(f"env type {type_!r}: {module_name}.{attr} is not an Env subclass (got {cls!r})")
-        return cls
-    if type_ not in _ENV_TYPES:
-        raise ConfigError(f"unknown env type {type_!r}; registered: {sorted(_ENV_TYPES)} (or use 'package.module:ClassName')")
-    return _ENV_TYPES[type_]
+    """A registered name, an import path `package.module:ClassName`, or a file `path/to/file.py:ClassName`.
+
+    Modules and relative paths are found from the current directory too, as `python -m` would.
+    """
+    if ":" not in type_:
+        if type_ not in _ENV_TYPES:
+            close = difflib.get_close_matches(type_, list(_ENV_TYPES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown env type {type_!r}{hint}; registered: {sorted(_ENV_TYPES)}, "
+                "or give 'module:ClassName' or 'path/to/file.py:ClassName'"
+            )
+        return _ENV_TYPES[type_]
+    source, _, attr = type_.rpartition(":")
+    module = _import_file(source) if source.endswith(".py") else _import_module(source)
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        found = sorted(n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Env) and v is not Env)
+        raise ConfigError(f"env type {type_!r}: {source} has no Env subclass {attr!r}; its Env subclasses: {found}")
+    return cls
+
+
+def _import_module(name: str) -> ModuleType:
+    # The `marin-rl` script, unlike `python -m`, does not look in the current directory: an env module
+    # next to the config should import without PYTHONPATH. Appended, so it never shadows a package.
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+            raise  # the module exists; one of its own imports is missing: show that
+        raise ConfigError(f"env type: no module {name!r} in the current directory ({cwd}) or the installed packages") from e
+
+
+def _import_file(path: str) -> ModuleType:
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"env type: no file {path!r} (relative paths start at {os.getcwd()})")
+    name = file.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(file):
+        return loaded
+    if loaded is not None:
+        raise ConfigError(f"env type: {path} would load as module {name!r}, which is already another module; rename the file")
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses and pickling look their module up
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))  # so the file can import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def build_env(type_: str, args: Mapping[str, Any] | None = None, *, tokenizer: Any = None, name: str | None = None) -> Env:
     """`EnvClass(**args)` for a registered name or import path, bound to `tokenizer` and `name`."""
     cls = resolve_env_class(type_)
+    args = dict(args or {})
     try:
-        env = cls(**dict(args or {}))
-    except TypeError as e:
-        raise TypeError(f"env type {type_!r}: cannot build {cls.__qualname__}(**{dict(args or {})!r}): {e}") from e
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # some callables have no signature: let the call itself decide
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**args)
+        except TypeError as e:
+            accepted = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
+            raise TypeError(f"env type {type_!r}: {e} (arguments of {cls.__qualname__}: {accepted})") from None
+    env = cls(**args)
     if tokenizer is not None:
         env.bind(tokenizer, name=name)
     elif name is not None:

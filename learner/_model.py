@@ -113,7 +113,8 @@ def load_hf_model(path: str | os.PathLike, model_config: ModelConfig, *, tokeniz
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
     from transformers import AutoConfig
 
-    path = Path(path)
+    # Absolute: Levanter's converter takes a relative path (`models/x`) for a hub repo id and goes online.
+    path = Path(path).resolve()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"ModelConfig.hf_checkpoint: no config.json in {str(path)!r}")
     hf_config = AutoConfig.from_pretrained(str(path))

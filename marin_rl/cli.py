@@ -13,6 +13,7 @@ import argparse
 import logging
 import signal
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -22,17 +23,27 @@ from rich.markup import escape
 from marin_rl import rollouts_cli
 from marin_rl.errors import ConfigError, PermanentError, RunDirError
 
+USAGE_ERROR = 2
+"""Exit status of a user's mistake (argparse's too)."""
+INTERRUPTED = 130
+"""Exit status after a second Ctrl-C (128 + SIGINT)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marin-rl", description="Reinforcement learning of language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", required=True)
 
     train = subparsers.add_parser(
         "train",
         help="train a policy from a YAML config",
-        description="Train from CONFIG. Any further --key=value overrides the config (e.g. --max_steps 5 --run_dir runs/x).",
+        description="Train from CONFIG. Any further --key=value overrides the config\n"
+        "(--max_steps 5 --run_dir runs/x, --envs.NAME.group_size=8). The keys and defaults follow.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
+    train.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help, with every config key, and exit")
     train.add_argument("config", type=Path, help="YAML run config (see configs/)")
     train.add_argument("--resume", action="store_true", help="continue RUN_DIR from its latest checkpoint")
     train.set_defaults(handler=train_command, takes_overrides=True)
@@ -70,12 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     errors = Console(stderr=True, soft_wrap=True)
     try:
         return args.handler(args, console)
-    except (FileNotFoundError, ConfigError, RunDirError, PermanentError) as e:
-        # Config errors, missing runs, refused run dirs, failures retrying cannot fix: one clear line.
-        if args.verbose:
+    except (ConfigError, RunDirError, FileNotFoundError, PermanentError) as e:
+        # The user's mistake (a config, a run dir, a missing file) or a failure retrying cannot fix: one
+        # line, no traceback.
+        if args.debug:
             raise
-        errors.print(f"[bold red]error:[/] {escape(str(e))}")
-        return 1
+        errors.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False)
+        return USAGE_ERROR if isinstance(e, ConfigError | RunDirError) else 1
+    except KeyboardInterrupt:
+        # A second Ctrl-C: what was pending is written (train's clean-up ran), the final checkpoint is not.
+        if args.debug:
+            raise
+        errors.print("[yellow]aborted[/]: the rollouts are on disk; the final checkpoint was not written")
+        return INTERRUPTED
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: not an error. Keep Python from complaining at exit.
         sys.stdout = None
@@ -86,24 +104,62 @@ def train_command(args, console: Console) -> int:
     from marin_rl.config import load_config
 
     config = load_config(args.config, args.overrides)
+    from marin_rl.orchestrator._preflight import check_run
+
+    checked = check_run(config, resume=args.resume)  # everything a user can get wrong, before the run dir is touched
     from marin_rl.orchestrator._train import train
 
     stop = threading.Event()
 
     def request_stop(signum, _frame):
         if stop.is_set():
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the final checkpoint
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)  # a third press must not interrupt the clean-up
+            raise KeyboardInterrupt
         console.print(f"[yellow]{signal.Signals(signum).name}: finishing the step, saving rollouts and a checkpoint (again to abort)")
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, request_stop)
-    console.print(f"marin-rl train: {args.config} -> {config.run_dir} ({config.max_steps} steps, envs: {', '.join(e.name for e in config.envs)})")
-    result = train(config, resume=args.resume, stop=stop)
+    console.print(f"marin-rl train: {args.config} -> {config.run_dir} ({config.max_steps} steps)", highlight=False)
+    if checked.resume_from is not None:
+        console.print(f"resuming from {checked.resume_from}", highlight=False)
+    for env in config.envs:
+        p = checked.prompts[env.name]
+        prompts = f"{p.shortest}" if p.shortest == p.longest else f"{p.shortest}-{p.longest}"
+        console.print(
+            f"  env {env.name} ({env.type}): prompts {prompts} tokens, max_tokens {p.max_tokens}, group {env.group_size}",
+            highlight=False,
+        )
+    for note in checked.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    result = train(config, resume=args.resume, stop=stop, checked=checked)
     how = "stopped early" if result.stopped_early else "done"
-    console.print(f"{how} at step {result.final_step}: checkpoint in {result.run_dir}/checkpoints, metrics in {result.run_dir}/metrics.jsonl")
-    console.print(f"next: marin-rl plot {result.run_dir}   |   marin-rl rollouts summary {result.run_dir}")
+    console.print(f"{how} at step {result.final_step}: checkpoint in {result.run_dir}/checkpoints", highlight=False)
+    console.print(f"next: marin-rl plot {result.run_dir}", highlight=False)
+    console.print(f"      marin-rl rollouts view {result.run_dir}", highlight=False)
     return 0
+
+
+class _TrainHelp(argparse.Action):
+    """`train --help` lists every config key; built only when asked for (it imports the configs)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.epilog = _config_keys_help()
+        parser.print_help()
+        parser.exit()
+
+
+def _config_keys_help() -> str:
+    from marin_rl.config import TrainConfig
+    from marin_rl.schema import config_keys
+
+    lines = []
+    for key in config_keys(TrainConfig):
+        lines.append(f"  {key.path} = {key.default}")
+        if key.doc:
+            lines += textwrap.wrap(key.doc, 78, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def serve_command(args, console: Console) -> int:

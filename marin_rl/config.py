@@ -7,11 +7,8 @@ key is reported in a second, before any model is built.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
 import re
-import tempfile
-import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from marin_rl.orchestrator._server_config import InferenceServerConfig
 from marin_rl.replay._algorithms import AlgorithmConfig, RlooConfig
 from marin_rl.replay._batcher import BatcherConfig
 from marin_rl.replay._buffer import ReplayBufferConfig
+from marin_rl.schema import SchemaError, normalize
 
 
 @dataclass(frozen=True)
@@ -194,113 +192,88 @@ class TrainConfig:
         return {e.name: e.fraction for e in self.envs}
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """Read `path` (YAML) with command-line style overrides (`--learner.optimizer.learning_rate=1e-5`).
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read `path` (YAML) with command-line overrides (`--learner.optimizer.learning_rate=1e-5`,
+    `--max_steps 5`, and `--envs.<name or index>.<key>=<value>` for one env).
 
-    draccus cannot address list items, so `--envs.<name or index>.<key>=<value>` (e.g.
-    `--envs.addition.group_size=16`) is applied to the YAML here before draccus reads it.
+    Every mistake raises `ConfigError` naming the key, the value and what is allowed, and whether it
+    came from the file or the command line.
     """
     if path is not None and not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(Path(path).read_text()) if path else {}
-    plain, env_overrides = _split_env_overrides(list(overrides))
-    if env_overrides:
-        _apply_env_overrides(raw, env_overrides, path)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as resolved:
-        yaml.safe_dump(raw or {}, resolved)
-        resolved.flush()
-        try:
-            return draccus.parse(TrainConfig, config_path=resolved.name, args=plain)
-        except SystemExit as e:  # argparse's way of reporting a bad flag; it already printed usage
-            raise ConfigError(f"bad command-line override in {plain}") from e
-        except Exception as e:  # noqa: BLE001 - draccus raises several types; turn each into one clear message
-            raise ConfigError(_explain(e, path)) from e
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) if path else {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
+    if not isinstance(raw, dict | None):
+        raise ConfigError(f"{path}: a config is a mapping of keys to values, got {type(raw).__name__}")
+    raw = raw or {}
+    from_command_line = apply_overrides(raw, list(overrides))
+    try:
+        checked = normalize(TrainConfig, raw)
+    except SchemaError as e:
+        overridden = any(k[: len(e.path)] == e.path[: len(k)] for k in from_command_line)  # one within the other
+        where = "command line" if overridden else str(path or "config")
+        raise ConfigError(f"{where}: {e}") from e
+    try:
+        return draccus.decode(TrainConfig, checked)
+    except Exception as e:  # noqa: BLE001 - a config class's own check or a draccus decoding error
+        raise ConfigError(f"{path or 'config'}: {_reason(e)}") from e
 
 
-_ENV_OVERRIDE = re.compile(r"^--envs\.([^.=\s]+)\.([\w.]+)(?:=(.*))?$")
-
-
-def _split_env_overrides(args: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    plain, env_overrides = [], []
+def apply_overrides(raw: dict, args: list[str]) -> list[tuple[str, ...]]:
+    """Set each `--a.b.c=value` / `--a.b.c value` in `raw` (values read as YAML); `envs.<name>`
+    addresses the env of that name. Returns the key paths set."""
+    paths = []
     i = 0
     while i < len(args):
-        match = _ENV_OVERRIDE.match(args[i])
-        if match is None:
-            plain.append(args[i])
-        else:
-            env, key, value = match.groups()
-            if value is None:  # `--envs.a.key value`
-                if i + 1 >= len(args):
-                    raise ConfigError(f"{args[i]} needs a value")
-                i += 1
-                value = args[i]
-            env_overrides.append((env, key, value))
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"command line: {arg!r} is not an override; overrides look like --key.sub=value")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"command line: --{key} needs a value (--{key}=VALUE)")
+            i += 1
+            value = args[i]
+        parts = key.split(".")
+        if parts[0] == "envs" and len(parts) > 2:
+            parts[1] = _env_index(raw, parts[1], key)
+        target = raw
+        for depth, part in enumerate(parts):
+            if not isinstance(target, dict | list):
+                raise ConfigError(f"command line: --{key}: {'.'.join(parts[:depth])} is not a section")
+            if isinstance(target, list) and not (part.isdigit() and int(part) < len(target)):
+                raise ConfigError(f"command line: --{key}: {'.'.join(parts[:depth])} has {len(target)} items, no item {part!r}")
+            if depth == len(parts) - 1:
+                target[int(part) if isinstance(target, list) else part] = yaml.safe_load(value) if value.strip() else value
+            else:
+                target = target[int(part)] if isinstance(target, list) else target.setdefault(part, {})
+        paths.append(tuple(parts))
         i += 1
-    return plain, env_overrides
+    return paths
 
 
-def _apply_env_overrides(raw: dict, env_overrides: list[tuple[str, str, str]], path) -> None:
+def _env_index(raw: dict, env: str, key: str) -> str:
     envs = raw.get("envs") or []
-    names = [e.get("name") for e in envs]
-    for env, key, value in env_overrides:
-        if env.isdigit() and int(env) < len(envs):
-            target = envs[int(env)]
-        elif env in names:
-            target = envs[names.index(env)]
-        else:
-            raise ConfigError(f"--envs.{env}.{key}: no env named {env!r} in {path}; envs: {names}")
-        *parents, leaf = key.split(".")
-        for part in parents:
-            target = target.setdefault(part, {})
-        target[leaf] = yaml.safe_load(value)
+    names = [e.get("name") if isinstance(e, dict) else None for e in envs]
+    if env.isdigit() and int(env) < len(envs):
+        return env
+    if env in names:
+        return str(names.index(env))
+    raise ConfigError(f"command line: --{key}: no env named {env!r}; envs: {names}")
 
 
-def _explain(error: Exception, path) -> str:
-    """draccus's errors name the key but not what is allowed; add the allowed values."""
-    where = f"{path}: " if path else ""
-    # A config class's own check (__post_init__) says best what is wrong; draccus wraps it.
-    cause = error.__cause__ or error.__context__
+def _reason(error: Exception) -> str:
+    """The message of a config class's own check (draccus wraps it), else draccus's, on one line."""
+    cause: BaseException | None = error
     while cause is not None:
-        if isinstance(cause, (ValueError, TypeError)) and "Couldn't instantiate" not in str(cause):
-            return where + str(cause)
+        if isinstance(cause, ValueError | TypeError) and not isinstance(cause, draccus.ParsingError):
+            break
         cause = cause.__cause__ or cause.__context__
-    message = str(error)
-    choice = re.search(r"^`([^`]*)`: Couldn't find a choice class for '([^']*)' in <class '([\w.]+)'>", message)
-    if choice:
-        key, bad, class_path = choice.groups()
-        module, _, name = class_path.rpartition(".")
-        allowed = sorted(getattr(importlib.import_module(module), name).get_known_choices())
-        return f"{where}{key}.type: {bad!r} is not one of {allowed}"
-    unknown = re.search(r"^`([^`]*)`: The fields (.+) are not valid for (\w+)", message)
-    if unknown:
-        key, fields, class_name = unknown.groups()
-        cls = _config_classes().get(class_name)
-        if cls is not None:
-            valid = [f.name for f in dataclasses.fields(cls)]
-            bad = re.findall(r"\w+", fields)
-            hints = [f"{f!r} -> {m[0]!r}?" for f in bad if (m := difflib.get_close_matches(f, valid, n=1))]
-            return f"{where}{key}: unknown key(s) {bad}; allowed: {valid}" + (f" (did you mean {', '.join(hints)})" if hints else "")
-    return where + message
-
-
-def _config_classes() -> dict[str, type]:
-    """Every dataclass reachable from TrainConfig (choice subclasses included), by class name."""
-    found: dict[str, type] = {}
-
-    def visit(tp) -> None:
-        for arg in typing.get_args(tp):
-            visit(arg)
-        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)) or tp.__name__ in found:
-            return
-        found[tp.__name__] = tp
-        if hasattr(tp, "get_known_choices"):
-            for sub in tp.get_known_choices().values():
-                visit(sub)
-        for f in dataclasses.fields(tp):
-            visit(typing.get_type_hints(tp).get(f.name, f.type))
-
-    visit(TrainConfig)
-    return found
+    return " ".join(str(cause or error).split())
 
 
 def dump_config(config: TrainConfig) -> str:

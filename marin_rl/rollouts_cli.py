@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from marin_rl.errors import ConfigError
 from marin_rl.storage import SegmentError, iter_run_segments, table_to_rollouts
 from marin_rl.types import Rollout
 
@@ -38,6 +39,19 @@ def add_parser(subparsers) -> None:
     show.add_argument("--version", type=int, help="only rollouts sampled by this policy version")
     show.add_argument("-n", type=int, default=5, help="how many to show (default 5)")
     show.set_defaults(handler=show_command)
+
+    view = commands.add_parser(
+        "view",
+        help="browse rollouts in a web page: filters, conversations, tokens coloured by log-prob or advantage",
+        description="Serve a viewer of RUN's rollouts on http://127.0.0.1:PORT/ (this machine only) until Ctrl-C, "
+        "or write it as one self-contained HTML file with -o.",
+    )
+    view.add_argument("run", type=Path)
+    view.add_argument("-o", "--output", type=Path, help="write one HTML file (the newest --limit rollouts) instead of serving")
+    view.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
+    view.add_argument("--limit", type=int, default=2000, help="rollouts in an HTML file, newest first (default 2000)")
+    view.add_argument("--tokenizer", help="tokenizer to show sampled tokens with (default: the run's)")
+    view.set_defaults(handler=view_command)
 
     export = commands.add_parser("export", help="write every rollout as one JSON object per line")
     export.add_argument("run", type=Path)
@@ -84,14 +98,13 @@ def summary_command(args, console: Console) -> int:
         row["truncated"].append(r.is_truncated)
         for name, value in r.rewards.items():
             row[f"rewards/{name}"].append(value)
-    reward_names = sorted({k for row in stats.values() for k in row if k.startswith("rewards/")})
-    table = Table(title=f"rollouts in {args.run}")
-    table.add_column("env")
+    env_width = max(len(env) for env, _ in stats)
+    # Two narrow tables rather than one wide one: they fit 80 columns and never cut an env's name.
+    table = Table(title=f"rollouts of {args.run.resolve().name}")
+    table.add_column("env", no_wrap=True, min_width=env_width)
     # version, rollouts, tokens, generated tokens per rollout, reward mean/std, truncated fraction
     for column in ("ver", "n", "tokens", "gen/n", "reward", "std", "trunc"):
-        table.add_column(column, justify="right", min_width=len(column))
-    for name in reward_names:
-        table.add_column(name[len("rewards/") :], justify="right", min_width=len(name) - len("rewards/"))
+        table.add_column(column, justify="right")
     for (env, version), row in sorted(stats.items()):
         table.add_row(
             env,
@@ -102,10 +115,33 @@ def summary_command(args, console: Console) -> int:
             f"{np.mean(row['reward']):.3f}",
             f"{np.std(row['reward']):.3f}",
             f"{np.mean(row['truncated']):.0%}",
-            *(f"{np.mean(row[name]):.3f}" if name in row else "-" for name in reward_names),
         )
     console.print(table)
+    console.print(_named_rewards_table(stats, env_width))
     return reader.report()
+
+
+def _named_rewards_table(stats: dict[tuple[str, int], dict], env_width: int) -> Table:
+    """Each env's named rewards: mean at its first and latest policy version, and over all rollouts."""
+    table = Table(title="named rewards", caption="mean at the env's first and latest policy version, and overall")
+    table.add_column("env", no_wrap=True, min_width=env_width)
+    table.add_column("reward")
+    for column in ("first", "latest", "all"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for env in sorted({env for env, _ in stats}):
+        versions = sorted(v for e, v in stats if e == env)
+        names = sorted({k for v in versions for k in stats[(env, v)] if k.startswith("rewards/")})
+        for name in names:
+            first, latest = stats[(env, versions[0])], stats[(env, versions[-1])]
+            everything = [x for v in versions for x in stats[(env, v)].get(name, [])]
+            table.add_row(
+                env,
+                name.removeprefix("rewards/"),
+                f"{np.mean(first[name]):.3f}" if name in first else "-",
+                f"{np.mean(latest[name]):.3f}" if name in latest else "-",
+                f"{np.mean(everything):.3f}",
+            )
+    return table
 
 
 def show_command(args, console: Console) -> int:
@@ -148,6 +184,28 @@ def render_rollout(r: Rollout) -> Panel:
     if r.metadata:
         subtitle += f" · {json.dumps(r.metadata, default=str)[:200]}"
     return Panel(body, title=escape(title), subtitle=escape(subtitle), title_align="left", subtitle_align="left")
+
+
+def view_command(args, console: Console) -> int:
+    from marin_rl import viewer
+
+    index, reader = viewer.open_run(args.run, args.tokenizer)
+    if args.output is not None:
+        count = viewer.write_html(index, reader, args.output, args.limit)
+        console.print(f"wrote {args.output}: {count} of {index.size} rollouts (newest first)", highlight=False)
+        return 0
+    try:
+        server = viewer.make_server(index, reader, args.port)
+    except OSError as e:
+        raise ConfigError(f"--port {args.port}: {e.strerror}; pass another --port (0 picks a free one)") from e
+    console.print(f"{index.size} rollouts of {args.run} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C to stop)", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
 
 
 def rollout_to_json(r: Rollout) -> dict:

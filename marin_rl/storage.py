@@ -282,10 +282,11 @@ def list_segments(env_dir: Path) -> list[Path]:
     return sorted(p for p in env_dir.iterdir() if _SEGMENT_RE.match(p.name))
 
 
-def read_segment(path: Path) -> pa.Table:
-    """Read one segment, checking its schema version; `SegmentError` names the file if it is bad."""
+def read_segment(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """Read one segment (only `columns` if given), checking its schema version; `SegmentError` names
+    the file if it is bad."""
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, columns=columns)
     except (pa.ArrowException, OSError) as e:
         raise SegmentError(path, f"unreadable Parquet segment ({e})") from e
     version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
@@ -303,8 +304,11 @@ class SegmentRead:
     error: SegmentError | None
 
 
-def iter_run_segments(run_dir: str | os.PathLike, env: str | None = None) -> Iterator[SegmentRead]:
-    """Every segment of a run (optionally one env), yielding errors instead of raising them."""
+def iter_run_segments(
+    run_dir: str | os.PathLike, env: str | None = None, columns: list[str] | None = None
+) -> Iterator[SegmentRead]:
+    """Every segment of a run (optionally one env; only `columns` if given), yielding errors instead of
+    raising them."""
     env_dirs = list_env_dirs(run_dir)
     if env is not None:
         env_dirs = [d for d in env_dirs if d.name == env]
@@ -313,7 +317,7 @@ def iter_run_segments(run_dir: str | os.PathLike, env: str | None = None) -> Ite
     for env_dir in env_dirs:
         for path in list_segments(env_dir):
             try:
-                yield SegmentRead(path, read_segment(path), None)
+                yield SegmentRead(path, read_segment(path, columns), None)
             except SegmentError as e:
                 yield SegmentRead(path, None, e)
 

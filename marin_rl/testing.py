@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -92,11 +96,7 @@ def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: 
     `process.terminate()` (or kill it: that is what the reliability tests do).
     """
     import json
-    import os
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     workdir = Path(workdir)
     n = len(list(workdir.glob("serve-*.log")))
@@ -115,3 +115,14 @@ def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: 
             raise RuntimeError(f"serve process did not start:\n{log_path.read_text()[-3000:]}")
         time.sleep(0.2)
     return process, json.loads(ready.read_text())["base_url"]
+
+
+QUICK_RUN = ["--batcher.total_token_budget=640", "--batcher.max_wait_s=5", "--server.max_seqs=16"]
+"""Overrides that shrink the quickstart so a step is quick on a shared CPU."""
+
+
+def run_command(args: list[str], cwd: str | os.PathLike | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`marin-rl ARGS` as a user runs it: the installed script, without PYTHONPATH."""
+    script = Path(sys.executable).with_name("marin-rl")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

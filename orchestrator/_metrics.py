@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -73,7 +74,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 class ProgressLine:
-    """A live progress bar (on a terminal) and a one-line summary every `log_every` steps."""
+    """A live progress bar (on a terminal) and a summary line per `log_every` steps, both within the
+    terminal's width (at least `MIN_WIDTH` columns); in a file or a pipe the summary keeps every part."""
 
     def __init__(self, max_steps: int, start_step: int, env_names: list[str], log_every: int = 1):
         self.console = Console()
@@ -81,9 +83,10 @@ class ProgressLine:
         self.log_every = log_every
         self._progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
+            BarColumn(bar_width=20),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"),
             console=self.console,
@@ -99,31 +102,48 @@ class ProgressLine:
         self._progress.stop()
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        line = summary_line(step, metrics, self.env_names)
-        self._progress.update(self._task, completed=step, status=line.split(" | ", 1)[-1])
+        self._progress.update(self._task, completed=step, status="")
         if step % self.log_every == 0:
-            self.console.print(line, highlight=False, soft_wrap=True)
+            width = max(self.console.width, MIN_WIDTH) if self.console.is_terminal else None
+            for line in summary_lines(step, metrics, self.env_names, width):
+                self.console.print(line, highlight=False, soft_wrap=True)
 
 
-def summary_line(step: int, metrics: Mapping[str, float], env_names: list[str]) -> str:
-    """`step 12 | reward 0.53 | loss ... | tok/s ... | staleness ...` from one step's metrics."""
-    rewards = [(env, metrics.get(f"batches/{env}/reward_mean")) for env in env_names]
-    shown = [(env, r) for env, r in rewards if r is not None]
-    parts = [f"step {step}"]
-    if shown:
-        mean = sum(r * metrics.get(f"batches/{env}/rollouts_used", 1) for env, r in shown) / max(
-            1, sum(metrics.get(f"batches/{env}/rollouts_used", 1) for env, _ in shown)
-        )
-        per_env = f" ({', '.join(f'{env} {r:.2f}' for env, r in shown)})" if len(shown) > 1 else ""
-        parts.append(f"reward {mean:.3f}{per_env}")
-    for key, label, fmt in (
-        ("learner/loss", "loss", "{:.4f}"),
-        ("learner/approx_kl", "kl", "{:.4f}"),
-        ("learner/tokens_per_s", "learner tok/s", "{:,.0f}"),
-        ("throughput/generated_tokens_per_s", "gen tok/s", "{:,.0f}"),
-        ("batch/staleness_mean", "staleness", "{:.2f}"),
-        ("time/wait_data_s", "wait", "{:.1f}s"),
+MIN_WIDTH = 80
+
+
+def summary_lines(step: int, metrics: Mapping[str, float], env_names: list[str], width: int | None = None) -> list[str]:
+    """`step 12 | reward 0.53 | loss ... | kl ... | gen tok/s ...` from one step's metrics.
+
+    With a `width`, the most useful parts that fit are kept (step and reward always), and with several
+    envs their rewards go on a second line when they do not fit on the first.
+    """
+    rewards = [(env, metrics[f"batches/{env}/reward_mean"]) for env in env_names if f"batches/{env}/reward_mean" in metrics]
+    parts: list[tuple[int, str]] = [(0, f"step {step}")]  # (priority: lower is kept longer, text)
+    per_env = ", ".join(f"{env} {r:.2f}" for env, r in rewards) if len(rewards) > 1 else ""
+    if rewards:
+        used = [metrics.get(f"batches/{env}/rollouts_used", 1) for env, _ in rewards]
+        mean = sum(r * n for (_, r), n in zip(rewards, used)) / max(1, sum(used))
+        parts.append((0, f"reward {mean:.3f}" + (f" ({per_env})" if per_env else "")))
+    for priority, key, label, fmt in (
+        (1, "learner/loss", "loss", "{:.4f}"),
+        (2, "learner/approx_kl", "kl", "{:.4f}"),
+        (3, "throughput/generated_tokens_per_s", "gen tok/s", "{:,.0f}"),
+        (4, "learner/tokens_per_s", "learner tok/s", "{:,.0f}"),
+        (5, "time/wait_data_s", "wait", "{:.1f}s"),
+        (6, "batch/staleness_mean", "staleness", "{:.2f}"),
     ):
         if key in metrics:
-            parts.append(f"{label} {fmt.format(metrics[key])}")
-    return " | ".join(parts)
+            parts.append((priority, f"{label} {fmt.format(metrics[key])}"))
+    line = " | ".join(text for _, text in parts)
+    if width is None or len(line) <= width:
+        return [line]
+    extra = []
+    if per_env:  # the per-env rewards move to a line of their own
+        parts[1] = (0, parts[1][1].split(" (")[0])
+        extra = textwrap.wrap(f"rewards: {per_env}", width, subsequent_indent="  ")
+    kept: set[int] = set()
+    for i in sorted(range(len(parts)), key=lambda i: parts[i][0]):  # most useful first, while they fit
+        if parts[i][0] == 0 or len(" | ".join(parts[j][1] for j in sorted(kept | {i}))) <= width:
+            kept.add(i)
+    return [" | ".join(parts[i][1] for i in sorted(kept)), *extra]

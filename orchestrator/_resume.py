@@ -1,4 +1,4 @@
-"""A run directory across restarts: what a new run or `--resume` may find there, and what a resumed run keeps.
+"""A resumed run: what the steps after its checkpoint wrote, set aside so that readers see one record per step.
 
 A resumed run continues from its newest complete checkpoint, step k (or from step 0 when the run was
 stopped before writing one). The steps after k are abandoned: they are trained again. So that every
@@ -24,7 +24,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from marin_rl.errors import RunDirError
 from marin_rl.orchestrator._metrics import METRICS_FILE
 from marin_rl.storage import ROLLOUTS_DIR, list_env_dirs, list_segments, read_segment, write_segment_atomic
 
@@ -34,19 +33,6 @@ ABANDONED_METRICS_FILE = "metrics.abandoned.jsonl"
 ABANDONED_ROLLOUTS_DIR = "rollouts-abandoned"
 PROBLEM_POSITION_KEY = "problem_position"
 """Rollout metadata: the index of the rollout's problem in its env's problem stream."""
-
-
-def prepare_run_dir(run_dir: Path, config_text: str, resume: bool) -> None:
-    """Create RUN/ and write the resolved config; never write over a previous run unless resuming."""
-    if resume and not (run_dir / "config.yaml").is_file():
-        raise RunDirError(f"--resume: {run_dir} holds no run to resume (no config.yaml)")
-    if not resume and run_dir.exists() and any(run_dir.iterdir()):
-        raise RunDirError(
-            f"run_dir {run_dir} already holds a run; pass --resume to continue it, or choose another "
-            "--run_dir (nothing was changed)"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_text)
 
 
 def set_aside_abandoned(run_dir: Path, step: int, positions: Mapping[str, int]) -> dict[str, int]:

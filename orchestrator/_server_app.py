@@ -184,7 +184,11 @@ class _Handler:
                 f"no answer within request_timeout_s={self.config.request_timeout_s} s "
                 "(queued behind other requests or generation too long)",
             ) from None
-        except concurrent.futures.CancelledError:
+        except (concurrent.futures.CancelledError, asyncio.CancelledError):
+            # A job the engine cancelled (it is stopping) is a 503; a cancelled request (the client went
+            # away) stays a cancellation.
+            if not any(f.cancelled() for f in futures) or asyncio.current_task().cancelling():
+                raise
             raise ApiError(503, "the inference server is shutting down") from None
         finally:
             for f in futures:

@@ -10,6 +10,7 @@ bottom: set up, loop, shut down.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -20,7 +21,8 @@ from marin_rl.config import TrainConfig, dump_config
 from marin_rl.errors import PermanentError
 from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._resume import prepare_run_dir, set_aside_abandoned
+from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
+from marin_rl.orchestrator._resume import set_aside_abandoned
 from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -34,25 +36,47 @@ class TrainResult:
     """True when a stop was requested (Ctrl-C / SIGTERM) before max_steps."""
 
 
-def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None) -> TrainResult:
+def prepare_run_dir(config: TrainConfig, resume: bool) -> tuple[Path, bool]:
+    """Create RUN/ and write the resolved config; never write over a previous run unless resuming.
+
+    Returns the directory and whether this call created it (then a failed start removes it)."""
+    run_dir = Path(config.run_dir)
+    check_run_dir(run_dir, resume)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_CONFIG).write_text(dump_config(config))
+    return run_dir, created
+
+
+def train(
+    config: TrainConfig, *, resume: bool = False, stop: threading.Event | None = None, checked: CheckedRun | None = None
+) -> TrainResult:
     """Train until `config.max_steps` or until `stop` is set; always flushes rollouts, and checkpoints
     whatever ended the run (but a NaN loss or a second Ctrl-C). A permanent failure (docs/reliability.md)
-    is raised after that checkpoint."""
-    stop = stop or threading.Event()
-    run_dir = Path(config.run_dir)
-    prepare_run_dir(run_dir, dump_config(config), resume)
+    is raised after that checkpoint.
 
+    `checked` is `check_run(config)`'s result when the caller already ran the checks."""
+    stop = stop or threading.Event()
+    checked = checked or check_run(config, resume=resume)
+    run_dir, created = prepare_run_dir(config, resume)
+    try:
+        return _train(config, run_dir, resume, stop, checked)
+    except BaseException:
+        if created and not holds_run(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)  # a start that failed leaves nothing to delete by hand
+        raise
+
+
+def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Event, checked: CheckedRun) -> TrainResult:
     # Heavy imports after the config is known to be good.
     import jax
 
-    from marin_rl.envs import build_env
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
     from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer, effective_shares
-    from marin_rl.tokenizer import load_tokenizer
 
     # --- set up
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = checked.tokenizer
     learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed))
     run_state = learner.restore_latest() if resume else {}
     if resume:
@@ -83,9 +107,7 @@ def train(config: TrainConfig, *, resume: bool = False, stop: threading.Event | 
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
     batcher.credit.update(run_state.get("batcher_credit", {}))
-    envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
-    for e in config.envs:  # now the env's own default sampling is known
-        e.check_algorithm(envs[e.name].sampling.merged(e.sampling).temperature)
+    envs = checked.envs
     budget = config.batcher.num_rows * config.batcher.max_seq_len
     # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
     # remainder, so it gets an even share for this purpose).

@@ -100,6 +100,7 @@ class _Counters:
     named_rewards: dict[str, list[float]] = field(default_factory=dict)
     teacher_kl: list[float] = field(default_factory=list)  # per rollout: sum over sampled tokens
     teacher_kl_tokens: int = 0
+    neg_logprob: float = 0.0  # sum of -log p over the sampled tokens
 
 
 class ReplayBuffer:
@@ -220,6 +221,7 @@ class ReplayBuffer:
         new.tokens += entry.num_tokens
         new.generated_tokens += rollout.num_generated_tokens
         new.truncated += int(rollout.is_truncated)
+        new.neg_logprob -= float(np.sum(entry.behaviour_logprobs))  # 0 off the sampled tokens
         if entry.teacher_logprobs is not None:
             sampled = entry.sampled_mask
             new.teacher_kl.append(float(np.sum(entry.behaviour_logprobs[sampled] - entry.teacher_logprobs[sampled])))
@@ -341,6 +343,9 @@ class ReplayBuffer:
             out["reward/mean"] = float(np.mean(new.rewards))
             out["reward/std"] = float(np.std(new.rewards))
             out["frac_truncated"] = new.truncated / new.rollouts
+            if new.generated_tokens:
+                # -log p of sampled tokens averages to the policy's entropy: a collapse shows here first.
+                out["sampled_entropy"] = new.neg_logprob / new.generated_tokens
             for name, values in new.named_rewards.items():
                 out[f"rewards/{name}/mean"] = float(np.mean(values))
                 out[f"rewards/{name}/std"] = float(np.std(values))

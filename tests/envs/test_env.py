@@ -267,12 +267,42 @@ def test_build_env_by_name_and_import_path(tokenizer):
     assert isinstance(by_path, CalculatorEnv) and by_path.name == "calculator"
     with pytest.raises(ConfigError, match="unknown env type 'nope'.*calculator"):  # one line from the CLI
         build_env("nope")
-    with pytest.raises(ConfigError, match="not an Env subclass"):
+    with pytest.raises(ConfigError, match="did you mean 'calculator'"):
+        build_env("calculater")
+    with pytest.raises(ConfigError, match=r"has no Env subclass 'calculate'; its Env subclasses: \['CalculatorEnv'\]"):
         build_env("marin_rl.envs._calculator:calculate")
-    with pytest.raises(TypeError, match="cannot build CalculatorEnv"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'dat' \(arguments of CalculatorEnv: \['data'"):
         build_env("calculator", {"dat": "x"})
     with pytest.raises(RuntimeError, match="no tokenizer"):
         CalculatorEnv().tokenizer
+
+
+OWN_ENV = """
+from marin_rl.envs import Env, Problem, reward
+
+
+class {name}(Env):
+    def problems(self):
+        return [Problem(id="p", prompt="hi", answer="x")]
+
+    @reward
+    def correct(self, completion, answer):
+        return float(completion == answer)
+"""
+
+
+def test_own_envs_import_from_the_current_directory_by_module_or_file(tmp_path, monkeypatch):
+    (tmp_path / "own_env_module.py").write_text(OWN_ENV.format(name="ByModule"))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "own_env_file.py").write_text(OWN_ENV.format(name="ByFile"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert build_env("own_env_module:ByModule").problems()[0].id == "p"
+    assert type(build_env("sub/own_env_file.py:ByFile")).__module__ == "own_env_file"
+    with pytest.raises(ValueError, match="no module 'own_env_nope' in the current directory"):
+        build_env("own_env_nope:X")
+    with pytest.raises(ValueError, match="no file 'sub/nope.py'"):
+        build_env("sub/nope.py:X")
 
 
 def test_pass_at_k_estimator():

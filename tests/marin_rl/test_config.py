@@ -34,8 +34,54 @@ def _dump(config):
 
 def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
     path = write(tmp_path, "envs: [{name: a, type: toy_addition}]\nlearner: {optimizer: {lr: 1.0e-3}}\n")
-    with pytest.raises(ConfigError, match=r"learner.optimizer: unknown key\(s\) \['lr'\]; allowed: \['learning_rate'"):
+    with pytest.raises(ConfigError, match=r"learner.optimizer.lr: unknown key \(did you mean 'learning_rate'\?\); allowed: \['learning_rate'"):
         load_config(path)
+
+
+def test_a_misspelt_override_names_the_key_and_the_command_line():
+    with pytest.raises(ConfigError, match=r"^command line: max_step: unknown key \(did you mean 'max_steps'\?\)"):
+        load_config(QUICKSTART, ["--max_step", "5"])
+    with pytest.raises(ConfigError, match=r"^command line: envs.0.sampling.max_token: unknown key \(did you mean 'max_tokens'"):
+        load_config(QUICKSTART, ["--envs.addition.sampling.max_token=4"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learner: {optimizer: {learning_rate: fast}}", "learner.optimizer.learning_rate: 'fast' is not a number"),
+        ("max_steps: 1.5", "max_steps: 1.5 is not an integer"),
+        ("eval_every: soon", "eval_every: 'soon' is not an integer or null"),
+        ("batcher: {overlong: drop}", r"batcher.overlong: 'drop' is not one of \['reject', 'truncate'\]"),
+        ("learner: [1]", r"learner: \[1\] is not a section"),
+        ("envs: {name: a}", "envs: {'name': 'a'} is not a list of sections"),
+        ("envs: [{name: a}]", r"envs.0.type: is required"),
+    ],
+)
+def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(tmp_path, text, message):
+    if not text.startswith("envs"):
+        text = "envs: [{name: a, type: toy_addition}]\n" + text
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--run_dir.x=1"], "command line: --run_dir.x: run_dir is not a section"),
+        (["--broadcaster.remote_servers=[]", "--broadcaster.remote_servers.0=x"], "remote_servers has 0 items, no item '0'"),
+        (["--broadcaster.remote_servers.a=1"], r"command line: broadcaster.remote_servers: {'a': 1} is not a list"),
+        (["--max_steps"], "--max_steps needs a value"),
+        (["max_steps=3"], "'max_steps=3' is not an override"),
+    ],
+)
+def test_malformed_overrides_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(QUICKSTART, overrides)
+
+
+def test_lenient_scalars_become_exact():
+    config = load_config(QUICKSTART, ["--run_dir", "2024", "--learner.optimizer.learning_rate", "1e-5"])
+    assert config.run_dir == "2024" and config.learner.optimizer.learning_rate == 1e-5
 
 
 def test_bad_choice_names_the_key_and_the_allowed_values(tmp_path):
@@ -65,9 +111,19 @@ def test_inconsistent_configs_are_rejected_with_the_reason(tmp_path, text, messa
 
 def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
     path = write(tmp_path, "envs: [{name: a, type: toy_addition}]\nmax_stepz: 3\n")
-    assert main(["train", str(path)]) == 1
+    assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "max_stepz" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "max_stepz: unknown key (did you mean 'max_steps'?)" in err
+
+
+def test_train_help_lists_every_config_key_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["train", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("learner.optimizer.learning_rate = 1e-06", "envs[].group_size = 8", "envs[].algorithm.type = rloo", "batcher.max_seq_len = 1024"):
+        assert f"  {line}\n" in out
+    assert "Peak learning rate." in out
 
 
 def test_env_overrides_address_an_env_by_name_or_index():
@@ -76,7 +132,7 @@ def test_env_overrides_address_an_env_by_name_or_index():
     )
     (env,) = config.envs
     assert env.group_size == 16 and env.sampling.max_tokens == 3 and env.args["addends"] == [1, 2]
-    with pytest.raises(ConfigError, match="no env named 'nope'"):
+    with pytest.raises(ConfigError, match=r"--envs.nope.group_size: no env named 'nope'; envs: \['addition'\]"):
         load_config(QUICKSTART, ["--envs.nope.group_size=16"])
 
 

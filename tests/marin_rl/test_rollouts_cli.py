@@ -22,12 +22,30 @@ def run_dir(tmp_path):
 def test_summary_reports_each_env_and_version(run_dir, capsys):
     assert main(["rollouts", "summary", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("│")]
-    assert len(lines) == 3
-    math_v0 = [c.strip() for c in lines[0].strip("│").split("│")]
-    assert math_v0[:8] == ["math", "0", "3", "21", "3.0", "0.500", "0.408", "0%"]
-    toy = [c.strip() for c in lines[2].strip("│").split("│")]
-    assert toy[0] == "toy" and toy[7] == "100%" and toy[9] == "0.250"
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in out.splitlines() if line.startswith("│")]
+    versions, named = rows[:3], rows[3:]
+    assert versions[0] == ["math", "0", "3", "21", "3.0", "0.500", "0.408", "0%"]
+    assert versions[2][0] == "toy" and versions[2][7] == "100%"
+    assert named == [
+        ["math", "correct", "0.500", "1.000", "0.700"],
+        ["toy", "correct", "1.000", "1.000", "1.000"],
+        ["toy", "format", "0.250", "0.250", "0.250"],
+    ]
+
+
+def test_summary_fits_80_columns_without_cutting_env_names(tmp_path, monkeypatch, capsys):
+    names = ["arithmetic_with_long_name", "calculator"]
+    for env in names:
+        writer = RolloutWriter(tmp_path / "rollouts" / env)
+        rewards = {"correct": 1.0, "format": 1.0, "used_calculator": 0.0, "another_named_reward": 0.5}
+        writer.append([make_rollout(env=env, rewards=rewards)])
+        writer.close()
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["rollouts", "summary", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for env in names:
+        assert any(f"│ {env} " in line for line in lines)
 
 
 def test_show_filters_by_env_reward_and_version(run_dir, capsys):

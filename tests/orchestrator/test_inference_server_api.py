@@ -229,6 +229,22 @@ def test_a_request_that_is_not_answered_in_time_gets_504_and_leaves_the_queue():
     assert worker.jobs[0].future.cancelled()
 
 
+class StoppingWorker(ScriptedWorker):
+    """An engine that is shutting down: it cancels every job it is given."""
+
+    def submit(self, job):
+        job.future.cancel()
+        return job.future
+
+
+def test_requests_in_flight_when_the_engine_stops_get_503_without_a_logged_error(caplog):
+    client = client_for(StoppingWorker())
+    with pytest.raises(openai.APIStatusError) as e:
+        chat(client, max_tokens=2)
+    assert e.value.status_code == 503 and "shutting down" in e.value.message
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+
 def test_async_client_models_and_health():
     app = build_app(CONFIG, TOKENIZER, ScriptedWorker([ids("ok")]), VOCAB)
 

@@ -8,11 +8,11 @@ import pytest
 
 from marin_rl.errors import RunDirError
 from marin_rl.orchestrator._metrics import read_metrics
+from marin_rl.orchestrator._preflight import check_run_dir
 from marin_rl.orchestrator._resume import (
     ABANDONED_METRICS_FILE,
     ABANDONED_ROLLOUTS_DIR,
     PROBLEM_POSITION_KEY,
-    prepare_run_dir,
     set_aside_abandoned,
 )
 from marin_rl.storage import RolloutWriter, env_rollout_dir, read_rollouts
@@ -66,10 +66,12 @@ def test_a_run_resumed_before_its_first_checkpoint_starts_again(killed_run):
 
 def test_run_dir_rules(tmp_path):
     run_dir = tmp_path / "run"
-    with pytest.raises(RunDirError, match="no run to resume"):
-        prepare_run_dir(run_dir, "a: 1\n", resume=True)
-    prepare_run_dir(run_dir, "a: 1\n", resume=False)
+    with pytest.raises(RunDirError, match="no complete checkpoint to resume from"):
+        check_run_dir(run_dir, resume=True)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("a: 1\n")
+    assert check_run_dir(run_dir, resume=False) is None  # a start that failed is not a run
+    (run_dir / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RunDirError, match="already holds a run"):
-        prepare_run_dir(run_dir, "a: 2\n", resume=False)
-    prepare_run_dir(run_dir, "a: 2\n", resume=True)  # resumable without a checkpoint: it starts again
-    assert (run_dir / "config.yaml").read_text() == "a: 2\n"
+        check_run_dir(run_dir, resume=False)
+    assert check_run_dir(run_dir, resume=True) is None  # resumable without a checkpoint: it starts again

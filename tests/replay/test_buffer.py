@@ -146,6 +146,8 @@ def test_metrics_have_exactly_the_design_names():
     assert metrics["replays/math/frac_truncated"] == 0.5
     assert metrics["replays/math/rewards/format/mean"] == 0.75
     assert metrics["replays/math/frac_used_in_batch"] == 1.0
+    sampled_logprobs = np.concatenate([r.turns[-1].logprobs for r in rollouts])
+    assert metrics["replays/math/sampled_entropy"] == pytest.approx(-sampled_logprobs.mean())
     # new_* reset once reported
     assert buffer.metrics()["replays/math/new_rollouts"] == 0
 

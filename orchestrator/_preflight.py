@@ -1,0 +1,235 @@
+"""Checks before a run touches its directory: the config against everything it names.
+
+`check_run` loads the tokenizer, builds every env, renders a few of each env's problems through the
+chat template and measures them against the row length, checks the model's shape and the run
+directory. It writes nothing and builds no model, so a mistake costs seconds, not a model build,
+and leaves no directory behind. Each mistake is a `ConfigError` naming the key, the value and what
+would work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from marin_rl.config import EnvConfig, TrainConfig
+from marin_rl.errors import ConfigError, RunDirError
+
+PROBLEMS_MEASURED = 8
+"""Problems of each env rendered through the chat template to measure prompt lengths."""
+RUN_CONFIG = "config.yaml"
+
+
+@dataclass(frozen=True)
+class PromptLengths:
+    """Token lengths of the first few prompts of one env, after the chat template."""
+
+    shortest: int
+    longest: int
+    longest_problem: str
+    measured: int
+    max_tokens: int
+    """The env's resolved `sampling.max_tokens` (per assistant turn)."""
+
+
+@dataclass
+class CheckedRun:
+    """What the checks built and found; `train` uses the tokenizer and envs as they are."""
+
+    tokenizer: Any
+    envs: dict[str, Any]
+    prompts: dict[str, PromptLengths]
+    resume_from: Path | None
+    """The checkpoint a resumed run starts from."""
+    notes: list[str] = field(default_factory=list)
+    """Things that work but are likely not what was meant (printed at start)."""
+
+
+def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
+    """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
+    if config.model.attn_backend == "cudnn":
+        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
+        # capture fails when the colocated server launches kernels from its thread meanwhile.
+        raise ConfigError(
+            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
+            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
+        )
+    resume_from = check_run_dir(Path(config.run_dir), resume)
+    tokenizer = _load_tokenizer(config.tokenizer)
+    _check_model(config, len(tokenizer))
+    if config.server.max_seq_len < config.batcher.max_seq_len:
+        raise ConfigError(
+            f"server.max_seq_len ({config.server.max_seq_len}) is below batcher.max_seq_len "
+            f"({config.batcher.max_seq_len}): the server would refuse rollouts the rows can hold"
+        )
+    checked = CheckedRun(tokenizer, {}, {}, resume_from)
+    for index, env_config in enumerate(config.envs):
+        key = f"envs.{index}"
+        env = _build_env(env_config, key, tokenizer)
+        settings = _resolve(env, env_config, key, config.batcher.max_seq_len)
+        lengths = _measure_prompts(env, key, settings.sampling.max_tokens, config)
+        checked.envs[env_config.name] = env
+        checked.prompts[env_config.name] = lengths
+        checked.notes += _check_rows(env_config, key, lengths, config)
+    return checked
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True when `run_dir` holds anything besides the config and empty folders (a start that failed)."""
+    if not run_dir.is_dir():
+        return False
+    return any(p.is_file() and p != run_dir / RUN_CONFIG for p in run_dir.rglob("*"))
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a new run, or a run stopped before its first checkpoint,
+    which starts again from step 0); refuses to overwrite a run."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run_dir {run_dir} is a file, not a directory")
+    if resume:
+        from marin_rl.learner._checkpoint import complete_checkpoints
+
+        checkpoints = complete_checkpoints(run_dir / "checkpoints")
+        if not checkpoints and not holds_run(run_dir):
+            raise RunDirError(
+                f"--resume: {run_dir} has no complete checkpoint to resume from (and holds no run): "
+                "start without --resume"
+            )
+        return checkpoints[-1] if checkpoints else None
+    if holds_run(run_dir):
+        raise RunDirError(
+            f"run_dir {run_dir} already holds a run; pass --resume to continue it, or choose another "
+            "--run_dir (nothing was changed)"
+        )
+    return None
+
+
+def _load_tokenizer(name: str):
+    from marin_rl.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as e:  # a missing or unreadable tokenizer directory
+        message = " ".join(str(e).split())
+        raise ConfigError(message if message.startswith("tokenizer:") else f"tokenizer: {message}") from e
+
+
+def _check_model(config: TrainConfig, vocab: int) -> None:
+    model = config.model
+    if model.hf_checkpoint is None:
+        for name in ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads", "seq_len"):
+            if getattr(model, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(model, name)}")
+        if model.head_dim is None and model.hidden_dim % model.num_heads:
+            raise ConfigError(
+                f"model.hidden_dim ({model.hidden_dim}) must be a multiple of model.num_heads ({model.num_heads}), "
+                "or set model.head_dim"
+            )
+        if model.num_heads % model.num_kv_heads:
+            raise ConfigError(f"model.num_heads ({model.num_heads}) must be a multiple of model.num_kv_heads ({model.num_kv_heads})")
+        return
+    path = Path(model.hf_checkpoint)
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except OSError:
+        raise ConfigError(f"model.hf_checkpoint: {str(path)!r} has no config.json (a local Hugging Face model directory; docs/learner.md)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_checkpoint: {path / 'config.json'} is not valid JSON ({e})") from None
+    if hf.get("model_type") != model.family:
+        raise ConfigError(f"model.family is {model.family!r} but {path / 'config.json'} has model_type {hf.get('model_type')!r}")
+    if hf.get("vocab_size", vocab) < vocab:
+        raise ConfigError(
+            f"tokenizer: {config.tokenizer!r} has {vocab} tokens but model.hf_checkpoint's vocab_size is {hf['vocab_size']}: "
+            "use the checkpoint's own tokenizer"
+        )
+    context = hf.get("max_position_embeddings")
+    if context is not None and context < config.batcher.max_seq_len:
+        raise ConfigError(f"batcher.max_seq_len ({config.batcher.max_seq_len}) exceeds the checkpoint's max_position_embeddings ({context})")
+
+
+def _build_env(env_config: EnvConfig, key: str, tokenizer):
+    from marin_rl.envs import build_env, resolve_env_class
+
+    try:
+        resolve_env_class(env_config.type)
+    except (ImportError, ValueError) as e:  # unknown name, module or file
+        raise ConfigError(f"{key}.type: {e}") from e
+    try:
+        return build_env(env_config.type, env_config.args, tokenizer=tokenizer, name=env_config.name)
+    except ImportError as e:  # an optional package the env needs
+        raise ConfigError(f"{key}.type: {e}") from e
+    except (TypeError, ValueError, OSError) as e:  # wrong arguments, a constructor's own check, a missing data file
+        raise ConfigError(f"{key}.args: {e}") from e
+
+
+def _resolve(env, env_config: EnvConfig, key: str, max_seq_len: int):
+    from marin_rl.envs import resolve_settings
+
+    try:
+        settings = resolve_settings(
+            env,
+            env_config.sampling,
+            reward_weights=env_config.reward_weights,
+            verifier_timeout_s=env_config.verifier_timeout_s,
+            max_turns=env_config.max_turns,
+            max_total_tokens=max_seq_len,
+        )
+        env_config.check_algorithm(settings.sampling.temperature)  # the env's own default temperature
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+    return settings
+
+
+def _measure_prompts(env, key: str, max_tokens: int, config: TrainConfig) -> PromptLengths:
+    from marin_rl.envs import Transcript
+
+    try:
+        problems = list(itertools.islice(iter(env.problems()), PROBLEMS_MEASURED))
+    except Exception as e:  # noqa: BLE001 - whatever the env's source raises, name the env
+        raise ConfigError(f"{key}: env {env.name!r} could not produce problems: {type(e).__name__}: {e}") from e
+    if not problems:
+        raise ConfigError(f"{key}: env {env.name!r} has no problems")
+    lengths = {}
+    for problem in problems:
+        try:
+            lengths[problem.id] = len(Transcript(env.tokenizer, env.build_messages(problem)).token_ids)
+        except Exception as e:  # noqa: BLE001 - a bad message or a template that cannot render it
+            raise ConfigError(f"{key}: the prompt of problem {problem.id!r} does not render: {type(e).__name__}: {e}") from e
+    longest = max(lengths, key=lengths.get)
+    row = config.batcher.max_seq_len
+    if lengths[longest] >= row:
+        raise ConfigError(
+            f"{key}: the prompt of problem {longest!r} is {lengths[longest]} tokens after the chat template, and "
+            f"batcher.max_seq_len={row} leaves no room to sample; raise batcher.max_seq_len (with model.seq_len "
+            "and server.max_seq_len) or shorten the prompt"
+        )
+    return PromptLengths(min(lengths.values()), lengths[longest], longest, len(lengths), max_tokens)
+
+
+def _check_rows(env_config: EnvConfig, key: str, lengths: PromptLengths, config: TrainConfig) -> list[str]:
+    """A group must fit in one batch (groups are never split); say when rollouts will be cut."""
+    from marin_rl.replay._packing import RowPacker
+
+    batcher, n = config.batcher, env_config.group_size
+    budget = f"batcher.total_token_budget={batcher.total_token_budget} ({batcher.num_rows} rows of {batcher.max_seq_len})"
+    if RowPacker(batcher.num_rows, batcher.max_seq_len).place_group([lengths.shortest + 1] * n) is None:
+        raise ConfigError(
+            f"{key}.group_size: a group of {n} rollouts of at least {lengths.shortest + 1} tokens does not fit in "
+            f"one batch of {budget}, so nothing would be trained on; raise the budget or lower group_size"
+        )
+    notes = []
+    full = min(lengths.longest + lengths.max_tokens, batcher.max_seq_len)
+    if RowPacker(batcher.num_rows, batcher.max_seq_len).place_group([full] * n) is None:
+        notes.append(
+            f"{env_config.name}: a group of {n} rollouts of {full} tokens does not fit in {budget}; "
+            "only groups of shorter rollouts will be trained on"
+        )
+    if lengths.longest + lengths.max_tokens > batcher.max_seq_len:
+        notes.append(
+            f"{env_config.name}: prompts of up to {lengths.longest} tokens + max_tokens {lengths.max_tokens} exceed "
+            f"the {batcher.max_seq_len}-token rows; completions are cut to the room left"
+        )
+    return notes
