@@ -136,6 +136,12 @@ class PolicyServer:
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self._port}/v1"
 
+    def local_sampler(self, server_id: str = "embedded"):
+        """A `Sampler` for env workers in this process: the engine without HTTP (see `LocalSampler`)."""
+        from marin_rl.orchestrator._local_sampler import LocalSampler
+
+        return LocalSampler(self.app.state.handler, server_id)
+
     @property
     def policy_version(self) -> int:
         """Version of the weights the next admitted request will use."""

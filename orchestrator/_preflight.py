@@ -50,13 +50,6 @@ class CheckedRun:
 
 def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
-    if config.model.attn_backend == "cudnn":
-        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
-        # capture fails when the colocated server launches kernels from its thread meanwhile.
-        raise ConfigError(
-            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
-            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
-        )
     resume_from = check_run_dir(Path(config.run_dir), resume)
     tokenizer = _load_tokenizer(config.tokenizer)
     _check_model(config, len(tokenizer))

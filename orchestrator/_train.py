@@ -130,7 +130,8 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     }
     # Remote servers are sampled from only while they serve this run's weights (their transport says).
     timeout = config.server.request_timeout_s
-    endpoints = [Endpoint(server.base_url, config.server.model_name, "embedded", timeout)]
+    # Workers in this process reach the embedded engine directly (no HTTP, no JSON); remote servers over HTTP.
+    endpoints = [Endpoint(server.base_url, config.server.model_name, "embedded", timeout, local=server.local_sampler())]
     endpoints += [
         Endpoint(transport.base_url, config.server.model_name, f"remote{i}", timeout, gate=transport)
         for i, transport in enumerate(broadcaster.transports[1:])
@@ -245,7 +246,10 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         raise
     finally:
         # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights.
-        workers.stop()
+        try:
+            workers.stop()
+        except KeyboardInterrupt as e:  # a second Ctrl-C while the workers stop: keep the rollouts anyway
+            ended_by = e
         for buffer in buffers.values():
             buffer.close()
         metrics_log.close()
@@ -254,6 +258,8 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         # Not after a NaN (the weights are NaN) or a second Ctrl-C (stop now).
         if not isinstance(ended_by, (FloatingPointError, KeyboardInterrupt)) and saved[-1:] != [learner.policy_version]:
             _save_or_log(save_checkpoint, ended_by)
+        if isinstance(ended_by, KeyboardInterrupt):
+            raise ended_by
     if failures:
         raise failures[0]
     learner.export_hf()
