@@ -23,6 +23,7 @@ from marin_rl.envs._parsers import (
 from marin_rl.envs._problems import Problem, cycle_problems, load_problems, problems_from
 from marin_rl.envs._reasoning_gym import ReasoningGymEnv
 from marin_rl.envs._toy import ToyAdditionEnv
+from marin_rl.envs._verifiers import VerifiersEnv
 from marin_rl.envs._rewards import EnvMetrics, Scores
 from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, pass_at_k, resolve_settings, sample_group
 from marin_rl.envs._sampling import (
@@ -58,6 +59,7 @@ __all__ = [
     "ScriptedSampler",
     "ToyAdditionEnv",
     "Transcript",
+    "VerifiersEnv",
     "build_env",
     "calculate",
     "compose",

@@ -100,8 +100,11 @@ def test_non_prefix_stable_template_names_the_tokenizer(tokenizer):
         "{{ messages|length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
+    # The prompt is rendered as one block (its ids are exact); growing the conversation is what fails.
+    transcript = Transcript(unstable, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    transcript.add_completion(_completion([*_encode(tokenizer, "a"), tokenizer.eos_token_id]))
     with pytest.raises(ChatTemplateError, match="unstable-tok"):
-        Transcript(unstable, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        transcript.add_messages([{"role": "user", "content": "again"}])
 
 
 def test_template_that_rewrites_earlier_assistant_turns_is_refused(tokenizer):

@@ -1,0 +1,215 @@
+"""The model endpoint of verifiers rollouts: OpenAI chat completions served token-exactly.
+
+verifiers sends each model call of a rollout through its interception server to the endpoint of the
+run's `EvalClientConfig`, with the rollout's trace id in the `X-Session-ID` header. This is that
+endpoint, on 127.0.0.1 behind a per-group token. Per session it keeps the conversation as a
+`Transcript` (the ids sampled so far), renders only the new messages, samples through the env's
+`Sampler` and parses tool calls in the model family's format (`_tool_calls`). The rollout is built
+from the transcript afterwards, never from text.
+
+Tool-call parsing lives here, next to the exact ids, rather than in the inference server (where vLLM
+has its `--tool-call-parser`): a server re-renders the conversation from the parsed messages on each
+turn, which re-tokenizes earlier tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from marin_rl.envs._chat import Transcript
+from marin_rl.envs._runner import RolloutSettings
+from marin_rl.envs._sampling import Sampler
+from marin_rl.envs._tool_calls import parse_tool_calls
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_ENDS = "marin-rl: the rollout ends here"
+"""Start of the error for a turn past `max_turns` or `max_total_tokens`: the harness ends cleanly on it."""
+TOKEN_HEADER = "X-Marin-Token"
+SESSION_HEADER = "X-Session-ID"
+"""verifiers' per-rollout routing header: the trace id, the same on every turn."""
+
+
+class RequestError(ValueError):
+    """A request this endpoint cannot serve (answered with HTTP 400)."""
+
+
+@dataclass
+class Session:
+    """One verifiers rollout's conversation."""
+
+    index: int
+    """Order of the session's first request: offsets a fixed sampling seed so a group's rollouts differ."""
+    transcript: Transcript | None = None
+    tools: list[dict[str, Any]] | None = None
+    seen: list[tuple] = field(default_factory=list)
+    """The conversation as the harness sends it (normalised): it may only grow."""
+    stop_reason: str | None = None
+    """`max_turns` or `max_total_tokens` when this endpoint ended the conversation (on the turn before)."""
+    malformed_tool_calls: int = 0
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"only text message content is supported, got {content!r:.200}")
+
+
+def _key(message: Mapping[str, Any]) -> tuple:
+    calls = tuple((c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ())
+    return message.get("role"), _text(message.get("content")), calls, message.get("tool_call_id")
+
+
+def _prompt_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"role": message.get("role"), "content": _text(message.get("content"))}
+    out.update({k: message[k] for k in ("tool_call_id", "name") if message.get(k) is not None})
+    return out
+
+
+class ChatSessions:
+    """The token-exact chat completion of each session's next turn (no HTTP: see `ChatEndpoint`)."""
+
+    def __init__(self, tokenizer: Any, sampler: Sampler, settings: RolloutSettings, tool_call_format: str | None):
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.settings = settings
+        self.tool_call_format = tool_call_format
+        self.sessions: dict[str, Session] = {}
+
+    async def complete(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The chat completion (an OpenAI `chat.completion` dict) for `body`'s conversation."""
+        session = self.sessions.setdefault(session_id, Session(index=len(self.sessions)))
+        messages = body.get("messages") or []
+        tools = body.get("tools") or None
+        if session.transcript is not None and session.transcript.num_assistant_turns >= self.settings.max_turns:
+            session.stop_reason = "max_turns"
+            raise RequestError(f"{ROLLOUT_ENDS}: max_turns={self.settings.max_turns} reached")
+        if tools and self.tool_call_format is None:
+            raise RequestError(
+                "verifiers task has tools, but the tool-call format of this tokenizer is unknown; "
+                "set the env's tool_call_format ('hermes' for Qwen2.5/Qwen3, 'llama3' for Llama 3)"
+            )
+        transcript = self._extend(session, messages, tools)
+        prompt_ids = transcript.token_ids
+        params = self.settings.turn_sampling(len(prompt_ids))
+        if params is None:
+            session.stop_reason = "max_total_tokens"
+            raise RequestError(
+                f"{ROLLOUT_ENDS}: {len(prompt_ids)} prompt tokens leave no room under "
+                f"max_total_tokens={self.settings.max_total_tokens}"
+            )
+        if params.seed is not None:
+            params = replace(params, seed=params.seed + session.index)
+        [completion] = await self.sampler.sample(prompt_ids, 1, params)
+        text = transcript.add_completion(completion)
+        session.transcript = transcript
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = completion.finish_reason
+        if tools:
+            parsed = parse_tool_calls(self.tokenizer, completion.token_ids.tolist(), self.tool_call_format)
+            session.malformed_tool_calls += parsed.malformed_calls
+            message["content"] = parsed.content or None
+            if parsed.reasoning is not None:
+                message["reasoning_content"] = parsed.reasoning
+            if parsed.tool_calls:
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.tool_calls
+                ]
+                finish = "tool_calls" if finish == "stop" else finish
+        session.seen = [*(_key(m) for m in messages), _key(message)]
+        completion_tokens = len(completion.token_ids)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or "policy",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+        }
+
+    def _extend(self, session: Session, messages: Sequence[Mapping[str, Any]], tools: list | None) -> Transcript:
+        """The session's transcript with the new messages (a copy: committed once the turn is sampled)."""
+        if session.transcript is None:
+            session.tools = tools
+            try:
+                return Transcript(self.tokenizer, [_prompt_message(m) for m in messages], tools)
+            except ValueError as e:
+                raise RequestError(f"verifiers prompt: {e}") from e
+        if tools != session.tools:
+            raise RequestError("verifiers: the tools changed during a rollout; token-exact rollouts need fixed tools")
+        known = len(session.seen)
+        if [_key(m) for m in messages[:known]] != session.seen:
+            raise RequestError(
+                "verifiers: earlier messages of the conversation were rewritten (an @intercept hook?); "
+                "token-exact rollouts need a conversation that only grows"
+            )
+        extended = session.transcript.copy()
+        try:
+            extended.add_messages([_prompt_message(m) for m in messages[known:]])
+        except ValueError as e:
+            raise RequestError(f"verifiers: {e}") from e
+        return extended
+
+
+class ChatEndpoint:
+    """`ChatSessions` served over HTTP on 127.0.0.1 (an ephemeral port), for the group's lifetime."""
+
+    def __init__(self, sessions: ChatSessions):
+        self.sessions = sessions
+        self.token = secrets.token_urlsafe(16)
+        self.base_url = ""
+        self._runner = None
+
+    async def __aenter__(self) -> ChatEndpoint:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        host, port = self._runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+
+    def client_config(self) -> dict[str, Any]:
+        """Fields of the verifiers `EvalClientConfig` that reaches this endpoint."""
+        return {"base_url": self.base_url, "api_key_var": "MARIN_RL_UNUSED", "headers": {TOKEN_HEADER: self.token}}
+
+    async def _handle(self, request):
+        from aiohttp import web
+
+        if not secrets.compare_digest(request.headers.get(TOKEN_HEADER, ""), self.token):
+            return _error(web, 401, "missing or wrong token")
+        session_id = request.headers.get(SESSION_HEADER)
+        if not session_id:
+            return _error(web, 400, f"missing the {SESSION_HEADER} header")
+        try:
+            body = json.loads(await request.read())
+            return web.json_response(await self.sessions.complete(session_id, body))
+        except (RequestError, json.JSONDecodeError) as e:
+            return _error(web, 400, str(e))
+        except Exception as e:  # noqa: BLE001 - the rollout records it as a failed model call
+            logger.exception("verifiers model call failed (session %s)", session_id)
+            return _error(web, 500, f"{type(e).__name__}: {e}")
+
+
+def _error(web, status: int, message: str):
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status)
