@@ -106,7 +106,7 @@ class VerifiersEnv(Env):
         self, problem: Problem, sampler: Sampler, n: int, settings: RolloutSettings, metrics: EnvMetrics
     ) -> list[Rollout]:
         vf = _vf()
-        sessions = ChatSessions(self.tokenizer, sampler, settings, self._tool_call_format)
+        sessions = ChatSessions(self.tokenizer, sampler, settings, self._tool_call_format, group_size=n)
         vf_env = self._vf_env(settings.verifier_timeout_s)
         async with ChatEndpoint(sessions) as endpoint, vf_env.serving():
             ctx = vf.ModelContext(model=self.model, client=vf.EvalClientConfig(**endpoint.client_config()))

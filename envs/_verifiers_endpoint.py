@@ -14,6 +14,9 @@ turn, which re-tokenizes earlier tool calls.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import json
 import logging
 import secrets
@@ -25,7 +28,7 @@ from typing import Any
 
 from marin_rl.envs._chat import Transcript
 from marin_rl.envs._runner import RolloutSettings
-from marin_rl.envs._sampling import Sampler
+from marin_rl.envs._sampling import Completion, Sampler, SamplingParams
 from marin_rl.envs._tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,6 @@ class RequestError(ValueError):
 class Session:
     """One verifiers rollout's conversation."""
 
-    index: int
-    """Order of the session's first request: offsets a fixed sampling seed so a group's rollouts differ."""
     transcript: Transcript | None = None
     tools: list[dict[str, Any]] | None = None
     seen: list[tuple] = field(default_factory=list)
@@ -75,29 +76,88 @@ def _prompt_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class _Batch:
+    size: int = 0
+    full: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+class FirstTurns:
+    """A group's first turns, sampled together.
+
+    The rollouts of a group start on the same prompt; identical prompts that arrive within
+    `window_s` (or until `group_size` have) go to the server as one request with `n` choices, as a
+    native env samples a group: one prefill, and the server's batches fill. A fixed seed is offset
+    by the completions already drawn for the prompt, so a later request draws anew.
+    """
+
+    def __init__(self, sampler: Sampler, group_size: int, window_s: float = 0.25):
+        self.sampler = sampler
+        self.group_size = group_size
+        self.window_s = window_s
+        self._open: dict[tuple, _Batch] = {}
+        self._drawn: collections.Counter = collections.Counter()
+        self._tasks: list[asyncio.Task] = []
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        key = (tuple(prompt_ids), params)
+        batch = self._open.get(key)
+        if batch is None:
+            batch = self._open[key] = _Batch()
+            batch.task = asyncio.ensure_future(self._draw(key, batch, prompt_ids, params))
+            self._tasks.append(batch.task)
+        index = batch.size
+        batch.size += 1
+        if batch.size >= self.group_size:
+            batch.full.set()
+        return (await asyncio.shield(batch.task))[index]
+
+    async def _draw(self, key: tuple, batch: _Batch, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(batch.full.wait(), self.window_s)
+        del self._open[key]
+        if params.seed is not None:
+            params = replace(params, seed=params.seed + self._drawn[key])
+        self._drawn[key] += batch.size
+        completions = await self.sampler.sample(prompt_ids, batch.size, params)
+        if len(completions) != batch.size:
+            raise RuntimeError(f"sampler returned {len(completions)} completions, asked for {batch.size}")
+        return completions
+
+    async def aclose(self) -> None:
+        """Stop draws nobody waits for any more (the group ended or was cancelled), and wait for them."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 class ChatSessions:
     """The token-exact chat completion of each session's next turn (no HTTP: see `ChatEndpoint`)."""
 
-    def __init__(self, tokenizer: Any, sampler: Sampler, settings: RolloutSettings, tool_call_format: str | None):
+    def __init__(
+        self, tokenizer: Any, sampler: Sampler, settings: RolloutSettings, tool_call_format: str | None, group_size: int = 1
+    ):
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.settings = settings
         self.tool_call_format = tool_call_format
+        self.first_turns = FirstTurns(sampler, group_size)
         self.sessions: dict[str, Session] = {}
 
     async def complete(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """The chat completion (an OpenAI `chat.completion` dict) for `body`'s conversation."""
-        session = self.sessions.setdefault(session_id, Session(index=len(self.sessions)))
+        session = self.sessions.setdefault(session_id, Session())
         messages = body.get("messages") or []
         tools = body.get("tools") or None
-        if session.transcript is not None and session.transcript.num_assistant_turns >= self.settings.max_turns:
-            session.stop_reason = "max_turns"
-            raise RequestError(f"{ROLLOUT_ENDS}: max_turns={self.settings.max_turns} reached")
         if tools and self.tool_call_format is None:
             raise RequestError(
                 "verifiers task has tools, but the tool-call format of this tokenizer is unknown; "
                 "set the env's tool_call_format ('hermes' for Qwen2.5/Qwen3, 'llama3' for Llama 3)"
             )
+        if session.transcript is not None and session.transcript.num_assistant_turns >= self.settings.max_turns:
+            session.stop_reason = "max_turns"
+            raise RequestError(f"{ROLLOUT_ENDS}: max_turns={self.settings.max_turns} reached")
         transcript = self._extend(session, messages, tools)
         prompt_ids = transcript.token_ids
         params = self.settings.turn_sampling(len(prompt_ids))
@@ -107,39 +167,43 @@ class ChatSessions:
                 f"{ROLLOUT_ENDS}: {len(prompt_ids)} prompt tokens leave no room under "
                 f"max_total_tokens={self.settings.max_total_tokens}"
             )
-        if params.seed is not None:
-            params = replace(params, seed=params.seed + session.index)
-        [completion] = await self.sampler.sample(prompt_ids, 1, params)
-        text = transcript.add_completion(completion)
+        if session.transcript is None:
+            completion = await self.first_turns.sample(prompt_ids, params)
+        else:
+            [completion] = await self.sampler.sample(prompt_ids, 1, params)
+        message, finish = self._reply(session, transcript, completion, tools)
         session.transcript = transcript
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = completion.finish_reason
-        if tools:
-            parsed = parse_tool_calls(self.tokenizer, completion.token_ids.tolist(), self.tool_call_format)
-            session.malformed_tool_calls += parsed.malformed_calls
-            message["content"] = parsed.content or None
-            if parsed.reasoning is not None:
-                message["reasoning_content"] = parsed.reasoning
-            if parsed.tool_calls:
-                message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in parsed.tool_calls
-                ]
-                finish = "tool_calls" if finish == "stop" else finish
         session.seen = [*(_key(m) for m in messages), _key(message)]
-        completion_tokens = len(completion.token_ids)
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids)}
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or "policy",
             "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
-            },
+            "usage": {**usage, "total_tokens": sum(usage.values())},
         }
+
+    def _reply(
+        self, session: Session, transcript: Transcript, completion: Completion, tools: list | None
+    ) -> tuple[dict[str, Any], str]:
+        """The assistant message for a sampled turn (its tool calls parsed when the task has tools)."""
+        message: dict[str, Any] = {"role": "assistant", "content": transcript.add_completion(completion)}
+        finish = completion.finish_reason
+        if not tools:
+            return message, finish
+        parsed = parse_tool_calls(self.tokenizer, completion.token_ids.tolist(), self.tool_call_format)
+        session.malformed_tool_calls += parsed.malformed_calls
+        message["content"] = parsed.content or None
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
     def _extend(self, session: Session, messages: Sequence[Mapping[str, Any]], tools: list | None) -> Transcript:
         """The session's transcript with the new messages (a copy: committed once the turn is sampled)."""
@@ -187,6 +251,7 @@ class ChatEndpoint:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        await self.sessions.first_turns.aclose()
         await self._runner.cleanup()
 
     def client_config(self) -> dict[str, Any]:

@@ -1,4 +1,3 @@
-import os
 from pathlib import Path
 
 import pytest
@@ -50,6 +49,18 @@ def qwen_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """Qwen3's chat template (thinking: `<think>` blocks kept only for turns after the last user query)."""
+    return _family_tokenizer(
+        "qwen3-chars",
+        "qwen3.jinja",
+        ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+        eos="<|im_end|>",
+    )
+
+
+@pytest.fixture(scope="session")
 def llama3_tokenizer():
     """Llama 3.2's chat template and special tokens (JSON tool calls, `ipython` tool turns)."""
     return _family_tokenizer(
@@ -60,18 +71,6 @@ def llama3_tokenizer():
         eos="<|eot_id|>",
         bos="<|begin_of_text|>",
     )
-
-
-@pytest.fixture(scope="session")
-def verifiers_envs():
-    """The verifiers environment packages of `verifiers_envs/`, importable as if installed.
-
-    Also on PYTHONPATH: verifiers starts a task's tool server as `python -m <its module>`."""
-    path = str(HERE / "verifiers_envs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(path)
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
-        yield path
 
 
 async def _serve_replies(replies):

@@ -40,7 +40,8 @@ def test_single_turn_taskset_is_token_exact_and_scored_by_its_weighted_rubric(to
     problems = list(env.problems())
     assert len(problems) == 3 and len({p.id for p in problems}) == 3
     assert env.default_reward_weights() == {"brief": 0.25, "correct": 1.0}
-    right, wrong = _group(env, ["0", "zero, I think"], n=2)
+    by_reply = {r.turns[-1].content: r for r in _group(env, ["0", "zero, I think"], n=2)}
+    right, wrong = by_reply["0"], by_reply["zero, I think"]
     for r in (right, wrong):
         r.validate()
         assert r.token_ids().tolist() == _rendering(tokenizer, r)
@@ -80,20 +81,20 @@ def test_max_total_tokens_caps_verifiers_rollouts(tokenizer, render_ids):
         _group(env, ["0"], max_total_tokens=prompt_len)
 
 
-def test_a_fixed_seed_still_gives_each_rollout_of_a_group_its_own_seed(tokenizer):
+def test_a_groups_first_turns_go_to_the_server_as_one_request(tokenizer):
     env = VerifiersEnv("marin_vf_sum").bind(tokenizer)
     sampler = ScriptedSampler(tokenizer, ["0"])
-    seeds = []
+    requests = []
     original = sampler.sample
 
     async def sample(prompt_ids, n, params):
-        seeds.append(params.seed)
+        requests.append((n, params.seed))
         return await original(prompt_ids, n, params)
 
     sampler.sample = sample
     problem = next(iter(env.problems()))
-    asyncio.run(sample_group(env, problem, sampler, 3, SamplingParams(seed=7)))
-    assert sorted(seeds) == [7, 8, 9]
+    rollouts = asyncio.run(sample_group(env, problem, sampler, 3, SamplingParams(seed=7)))
+    assert requests == [(3, 7)] and len(rollouts) == 3  # one request with n choices, like a native group
 
 
 # --- scoring failures ---------------------------------------------------------------------------
@@ -158,6 +159,13 @@ def test_max_turns_ends_a_multi_turn_rollout_on_its_last_assistant_turn(tokenize
     r.validate()
     assert [t.content for t in r.turns if t.role == "assistant"] == ["5", "8"]
     assert r.metadata["stop_reason"] == "max_turns" and r.rewards["solved"] == 0.0
+
+
+def test_a_template_that_re_renders_past_turns_is_refused_with_its_name(qwen3_tokenizer):
+    # Qwen3's template drops the <think> block of turns before the last user message.
+    env = VerifiersEnv("marin_vf_guess").bind(qwen3_tokenizer)
+    with pytest.raises(RuntimeError, match="'qwen3-chars' is not prefix stable: adding a 'user' message"):
+        _group(env, ["<think>\nMiddle.\n</think>\n\n5", "7"], problem=1)
 
 
 # --- configuration the adapter refuses ----------------------------------------------------------

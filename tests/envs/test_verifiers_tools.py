@@ -98,3 +98,13 @@ def test_tool_tasks_need_a_known_tool_call_format(tokenizer):
         _run(env, ["5"])
     with pytest.raises(ValueError, match="no token"):
         VerifiersEnv("marin_vf_calc", tool_call_format="hermes").bind(tokenizer)._tool_call_format
+
+
+def test_qwen3_thinks_calls_and_answers_in_one_tool_loop(qwen3_tokenizer, verifiers_own_trace):
+    env = VerifiersEnv("marin_vf_calc").bind(qwen3_tokenizer)
+    think_and_call = f"<think>\nI add.\n</think>\n\n{_hermes(_add(2, 3))}"
+    rollout = _run(env, [think_and_call, "<think>\nIt is 5.\n</think>\n\n5"])
+    assert [t.role for t in rollout.turns] == ["system", "user", "assistant", "tool", "assistant"]
+    assert rollout.turns[2].content == think_and_call  # the sampled turn, reasoning and markup included
+    # verifiers sees the reply without its reasoning: the same reward as a server that split it off.
+    assert rollout.reward == verifiers_own_trace(env, [[_add(2, 3)], "5"]).reward == 1.5
