@@ -39,7 +39,8 @@ from marin_rl.types import Rollout
 
 VERIFIERS_VERSION = "0.4.0"
 _IN_PROCESS_HARNESSES = (None, "null")
-"""Harness ids our in-process chat harness stands in for (None: the seat's default)."""
+"""Harness ids our in-process chat harness stands in for (None: a seat left to verifiers' default,
+`bash`, which would hand the model a shell; marin-rl runs no model-written code)."""
 
 
 def _vf():
@@ -114,7 +115,7 @@ class VerifiersEnv(Env):
         group_id = uuid.uuid4().hex
         rollouts = []
         for episode in episodes:
-            if episode.errors and not episode.traces:
+            if episode.errors:  # the env's own run() or finalize() failed
                 raise RuntimeError(f"verifiers episode of task {problem.id!r} failed: {_describe(episode.errors)}")
             for trace in episode.traces:
                 if trace.agent.trainable:
@@ -202,14 +203,16 @@ def _local_config(config: Any, scoring_timeout_s: float) -> Any:
     vf = _vf()
     from marin_rl.envs._verifiers_harness import HARNESS_ID
 
+    bundled = vf.default_harness_id(config.taskset.id)  # verifiers' `bash` unless the taskset ships one
     seats = {}
     for name, seat in config:
         if not isinstance(seat, vf.AgentConfig):
             continue
         harness = seat.harness
-        if (harness.id if harness is not None else None) not in _IN_PROCESS_HARNESSES:
+        harness_id = harness.id if harness is not None else None if bundled == "bash" else bundled
+        if harness_id not in _IN_PROCESS_HARNESSES:
             raise ValueError(
-                f"verifiers env {config.env_id!r}: seat {name!r} uses harness {harness.id!r}, which runs its own "
+                f"verifiers env {config.env_id!r}: seat {name!r} uses harness {harness_id!r}, which runs its own "
                 f"program in a runtime; marin-rl plays verifiers agents with its in-process chat harness (verifiers' "
                 f"`null` loop with the task's tools): leave {name}.harness unset or use 'null'"
             )

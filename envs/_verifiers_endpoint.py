@@ -255,26 +255,26 @@ class ChatEndpoint:
         await self._runner.cleanup()
 
     def client_config(self) -> dict[str, Any]:
-        """Fields of the verifiers `EvalClientConfig` that reaches this endpoint."""
+        """Fields of the verifiers `EvalClientConfig` that reaches this endpoint (the token rides in its own header)."""
         return {"base_url": self.base_url, "api_key_var": "MARIN_RL_UNUSED", "headers": {TOKEN_HEADER: self.token}}
 
     async def _handle(self, request):
-        from aiohttp import web
-
         if not secrets.compare_digest(request.headers.get(TOKEN_HEADER, ""), self.token):
-            return _error(web, 401, "missing or wrong token")
+            return _json({"error": {"message": "missing or wrong token", "code": 401}}, status=401)
         session_id = request.headers.get(SESSION_HEADER)
         if not session_id:
-            return _error(web, 400, f"missing the {SESSION_HEADER} header")
+            return _json({"error": {"message": f"missing the {SESSION_HEADER} header", "code": 400}}, status=400)
         try:
             body = json.loads(await request.read())
-            return web.json_response(await self.sessions.complete(session_id, body))
+            return _json(await self.sessions.complete(session_id, body))
         except (RequestError, json.JSONDecodeError) as e:
-            return _error(web, 400, str(e))
+            return _json({"error": {"message": str(e), "code": 400}}, status=400)
         except Exception as e:  # noqa: BLE001 - the rollout records it as a failed model call
             logger.exception("verifiers model call failed (session %s)", session_id)
-            return _error(web, 500, f"{type(e).__name__}: {e}")
+            return _json({"error": {"message": f"{type(e).__name__}: {e}", "code": 500}}, status=500)
 
 
-def _error(web, status: int, message: str):
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status)
+def _json(body: dict[str, Any], status: int = 200):
+    from aiohttp import web  # the envs extra; the module itself imports with the core install
+
+    return web.json_response(body, status=status)

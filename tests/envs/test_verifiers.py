@@ -174,6 +174,8 @@ def test_a_template_that_re_renders_past_turns_is_refused_with_its_name(qwen3_to
 def test_harnesses_and_runtimes_that_run_outside_the_process_are_refused(tokenizer):
     with pytest.raises(ValueError, match="seat 'agent' uses harness 'bash'"):
         VerifiersEnv("marin_vf_sum", env_args={"agent": {"harness": {"id": "bash"}}})
+    with pytest.raises(ValueError, match="seat 'agent' uses harness 'marin_vf_bundled'"):
+        VerifiersEnv("marin_vf_bundled")  # the taskset's own harness would be the seat's default
     with pytest.raises(ValueError, match="'docker' runtime; marin-rl runs verifiers agents locally"):
         VerifiersEnv("marin_vf_sum", env_args={"agent": {"runtime": {"type": "docker"}}})
     null = VerifiersEnv("marin_vf_sum", env_args={"agent": {"harness": {"id": "null"}}}).bind(tokenizer)
