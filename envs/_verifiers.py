@@ -21,10 +21,12 @@ recorded; any other failure of an episode raises.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import math
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from marin_rl.envs._env import Env, register_env
@@ -68,6 +70,7 @@ class VerifiersEnv(Env):
         vf = _vf()
         self._config = vf.resolve_env_config({**(env_args or {}), "id": env, "taskset": {**(taskset_args or {}), "id": taskset}})
         self._envs: dict[float, Any] = {}
+        self._serving: dict[Any, _Serving] = {}
         self.vf_env = self._vf_env(self.verifier_timeout_s)
         """The verifiers env (its taskset gives the problems)."""
         _check_tool_servers(self.vf_env.taskset)
@@ -96,7 +99,9 @@ class VerifiersEnv(Env):
     def _vf_env(self, scoring_timeout_s: float) -> Any:
         """The verifiers env whose agents score with this timeout (the run config may set its own)."""
         if scoring_timeout_s not in self._envs:
-            self._envs[scoring_timeout_s] = _vf().load_environment(_local_config(self._config, scoring_timeout_s))
+            vf_env = _vf().load_environment(_local_config(self._config, scoring_timeout_s))
+            self._envs[scoring_timeout_s] = vf_env
+            self._serving[vf_env] = _Serving(vf_env)
         return self._envs[scoring_timeout_s]
 
     @functools.cached_property
@@ -109,9 +114,10 @@ class VerifiersEnv(Env):
         vf = _vf()
         sessions = ChatSessions(self.tokenizer, sampler, settings, self._tool_call_format, group_size=n)
         vf_env = self._vf_env(settings.verifier_timeout_s)
-        async with ChatEndpoint(sessions) as endpoint, vf_env.serving():
+        async with self._serving[vf_env]() as endpoint, endpoint.group(sessions) as on_trace:
             ctx = vf.ModelContext(model=self.model, client=vf.EvalClientConfig(**endpoint.client_config()))
-            episodes = await gather_all(vf_env.run_episode(problem.extras["task"], ctx) for _ in range(n))
+            task = problem.extras["task"]
+            episodes = await gather_all(vf_env.run_episode(task, ctx, on_trace=on_trace) for _ in range(n))
         group_id = uuid.uuid4().hex
         rollouts = []
         for episode in episodes:
@@ -188,6 +194,40 @@ class VerifiersEnv(Env):
             is_truncated=truncated,
             metadata=metadata,
         )
+
+
+class _Serving:
+    """The model endpoint and `vf_env.serving()` (its interception pool, shared tool servers), held
+    while any group runs: verifiers keeps what `serving()` opens on the env object, so concurrent
+    groups share one. The first group in opens it, the last one out closes it."""
+
+    def __init__(self, vf_env: Any):
+        self.vf_env = vf_env
+        self._users = 0
+        self._endpoint: ChatEndpoint | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[ChatEndpoint]:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new event loop: what an earlier one opened went with it
+            self._loop, self._lock, self._users = loop, asyncio.Lock(), 0
+        async with self._lock:
+            if self._users == 0:
+                stack = contextlib.AsyncExitStack()
+                self._endpoint = await stack.enter_async_context(ChatEndpoint())
+                await stack.enter_async_context(self.vf_env.serving())
+                self._stack = stack
+            self._users += 1
+        try:
+            yield self._endpoint
+        finally:
+            async with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    await self._stack.aclose()
 
 
 def _describe(errors: list) -> str:

@@ -2,7 +2,7 @@
 
 verifiers sends each model call of a rollout through its interception server to the endpoint of the
 run's `EvalClientConfig`, with the rollout's trace id in the `X-Session-ID` header. This is that
-endpoint, on 127.0.0.1 behind a per-group token. Per session it keeps the conversation as a
+endpoint, on 127.0.0.1 behind a token. Per session it keeps the conversation as a
 `Transcript` (the ids sampled so far), renders only the new messages, samples through the env's
 `Sampler` and parses tool calls in the model family's format (`_tool_calls`). The rollout is built
 from the transcript afterwards, never from text.
@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -230,12 +230,16 @@ class ChatSessions:
 
 
 class ChatEndpoint:
-    """`ChatSessions` served over HTTP on 127.0.0.1 (an ephemeral port), for the group's lifetime."""
+    """The groups' `ChatSessions` served over HTTP on 127.0.0.1 (an ephemeral port).
 
-    def __init__(self, sessions: ChatSessions):
-        self.sessions = sessions
+    One endpoint serves every group in flight (verifiers then keeps one model client for all of
+    them); a model call reaches the group that minted its rollout's trace (see `group`).
+    """
+
+    def __init__(self):
         self.token = secrets.token_urlsafe(16)
         self.base_url = ""
+        self._routes: dict[str, ChatSessions] = {}
         self._runner = None
 
     async def __aenter__(self) -> ChatEndpoint:
@@ -245,28 +249,48 @@ class ChatEndpoint:
         app.router.add_post("/v1/chat/completions", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        try:
+            await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
         host, port = self._runner.addresses[0][:2]
         self.base_url = f"http://{host}:{port}/v1"
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.sessions.first_turns.aclose()
         await self._runner.cleanup()
 
     def client_config(self) -> dict[str, Any]:
         """Fields of the verifiers `EvalClientConfig` that reaches this endpoint (the token rides in its own header)."""
         return {"base_url": self.base_url, "api_key_var": "MARIN_RL_UNUSED", "headers": {TOKEN_HEADER: self.token}}
 
+    @contextlib.asynccontextmanager
+    async def group(self, sessions: ChatSessions) -> AsyncIterator[Callable[[Any], None]]:
+        """An `on_trace` callback for the group's episodes: the model calls of each trace it sees go to `sessions`."""
+        traces: list[str] = []
+
+        def on_trace(trace: Any) -> None:
+            traces.append(trace.id)
+            self._routes[trace.id] = sessions
+
+        try:
+            yield on_trace
+        finally:
+            for trace_id in traces:
+                self._routes.pop(trace_id, None)
+            await sessions.first_turns.aclose()
+
     async def _handle(self, request):
         if not secrets.compare_digest(request.headers.get(TOKEN_HEADER, ""), self.token):
             return _json({"error": {"message": "missing or wrong token", "code": 401}}, status=401)
         session_id = request.headers.get(SESSION_HEADER)
-        if not session_id:
-            return _json({"error": {"message": f"missing the {SESSION_HEADER} header", "code": 400}}, status=400)
+        sessions = self._routes.get(session_id or "")
+        if sessions is None:
+            return _json({"error": {"message": f"unknown rollout ({SESSION_HEADER}: {session_id!r})", "code": 400}}, status=400)
         try:
             body = json.loads(await request.read())
-            return _json(await self.sessions.complete(session_id, body))
+            return _json(await sessions.complete(session_id, body))
         except (RequestError, json.JSONDecodeError) as e:
             return _json({"error": {"message": str(e), "code": 400}}, status=400)
         except Exception as e:  # noqa: BLE001 - the rollout records it as a failed model call

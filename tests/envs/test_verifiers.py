@@ -97,6 +97,19 @@ def test_a_groups_first_turns_go_to_the_server_as_one_request(tokenizer):
     assert requests == [(3, 7)] and len(rollouts) == 3  # one request with n choices, like a native group
 
 
+def test_concurrent_groups_share_verifiers_serving_and_keep_their_own_samplers(tokenizer):
+    env = VerifiersEnv("marin_vf_sum").bind(tokenizer)
+    problems = list(env.problems())
+
+    async def groups():
+        # As the orchestrator's workers do: several groups of one env in flight on one event loop.
+        return await asyncio.gather(*(sample_group(env, p, ScriptedSampler(tokenizer, [f"{i}"]), 3) for i, p in enumerate(problems)))
+
+    for i, group in enumerate(asyncio.run(groups())):
+        assert [r.turns[-1].content for r in group] == [str(i)] * 3  # each reply came from its group's sampler
+        assert all(r.problem_id == problems[i].id for r in group)
+
+
 # --- scoring failures ---------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
-"""The chat endpoint verifiers rollouts sample through: sessions that only grow, and its HTTP guard."""
+"""The chat endpoint verifiers rollouts sample through: sessions that only grow, its guard and routing."""
 
 import asyncio
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -53,18 +54,23 @@ def test_max_turns_ends_the_session_on_its_last_turn(tokenizer):
     assert sessions.sessions["s"].stop_reason == "max_turns" and sessions.sessions["s"].transcript.num_assistant_turns == 1
 
 
-def test_the_http_endpoint_wants_its_token_and_a_session(tokenizer):
+def test_the_http_endpoint_wants_its_token_and_routes_each_rollout_to_its_group(tokenizer):
     async def run():
-        async with ChatEndpoint(_sessions(tokenizer, ["4"])) as endpoint:
+        async with ChatEndpoint() as endpoint:
             assert endpoint.base_url.startswith("http://127.0.0.1:")
-            url = f"{endpoint.base_url}/chat/completions"
+            url, body = f"{endpoint.base_url}/chat/completions", {"messages": PROMPT}
+            token = {TOKEN_HEADER: endpoint.token}
+            async with httpx.AsyncClient() as client, endpoint.group(_sessions(tokenizer, ["4"])) as on_trace:
+                on_trace(SimpleNamespace(id="trace-1"))  # verifiers calls it as each rollout's trace is minted
+                unauthorized = await client.post(url, json=body, headers={SESSION_HEADER: "trace-1"})
+                unknown = await client.post(url, json=body, headers={**token, SESSION_HEADER: "trace-2"})
+                ok = await client.post(url, json=body, headers={**token, SESSION_HEADER: "trace-1"})
             async with httpx.AsyncClient() as client:
-                body = {"messages": PROMPT}
-                unauthorized = await client.post(url, json=body, headers={SESSION_HEADER: "s"})
-                no_session = await client.post(url, json=body, headers={TOKEN_HEADER: endpoint.token})
-                ok = await client.post(url, json=body, headers={TOKEN_HEADER: endpoint.token, SESSION_HEADER: "s"})
-        return unauthorized, no_session, ok
+                ended = await client.post(url, json=body, headers={**token, SESSION_HEADER: "trace-1"})
+        return unauthorized, unknown, ok, ended
 
-    unauthorized, no_session, ok = asyncio.run(run())
-    assert unauthorized.status_code == 401 and no_session.status_code == 400
+    unauthorized, unknown, ok, ended = asyncio.run(run())
+    assert unauthorized.status_code == 401
+    assert unknown.status_code == 400 and "unknown rollout" in unknown.json()["error"]["message"]
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "4"
+    assert ended.status_code == 400  # the group is over: its rollouts are no longer routed
