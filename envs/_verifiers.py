@@ -216,10 +216,10 @@ class _Serving:
             self._loop, self._lock, self._users = loop, asyncio.Lock(), 0
         async with self._lock:
             if self._users == 0:
-                stack = contextlib.AsyncExitStack()
-                self._endpoint = await stack.enter_async_context(ChatEndpoint())
-                await stack.enter_async_context(self.vf_env.serving())
-                self._stack = stack
+                async with contextlib.AsyncExitStack() as stack:  # closes the endpoint if serving() fails
+                    self._endpoint = await stack.enter_async_context(ChatEndpoint())
+                    await stack.enter_async_context(self.vf_env.serving())
+                    self._stack = stack.pop_all()
             self._users += 1
         try:
             yield self._endpoint
