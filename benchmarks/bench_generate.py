@@ -169,6 +169,7 @@ def main() -> None:
     vocab = SIZES[args.size][-1]
     tokenizer = load_tokenizer("char")  # the HTTP layer needs one; prompts are token ids
     server = PolicyServer(config, model, tokenizer).start()
+    del model
     engine = server.engine
     print(
         f"model {args.size} built in {built:.1f}s, engine compiled in {time.perf_counter() - start - built:.1f}s; "
@@ -189,9 +190,6 @@ def main() -> None:
                 row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
             print(json.dumps(row), flush=True)
             rows.append(row)
-    # The weight swap of the colocated loop: the learner's float32 model in, the engine's bf16 copy out.
-    swaps = [server.swap_weights(model, version).total_seconds for version in range(1, 4)]
-    print(f"weight swap (copy + install): {statistics.median(swaps):.3f} s median of {len(swaps)}", flush=True)
     stats = engine.stats
     server.shutdown()
     assert stats.errors == 0 and stats.pages_in_use == 0, stats

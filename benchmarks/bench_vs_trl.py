@@ -102,9 +102,9 @@ def run_marin(args) -> dict:
     peak = stats.get("peak_bytes_in_use")
     return summary(
         "marin-rl",
-        [r["replays/addition/reward/mean"] for r in records],
+        [r["batches/addition/reward_mean"] for r in records],  # the batch the step trained on
         [r["time/step_s"] for r in records],
-        [r["replays/addition/new_generated_tokens"] for r in records],
+        [r.get("replays/addition/new_generated_tokens", 0) for r in records],
         [r["learner/num_tokens"] for r in records],
         None if peak is None else peak / 2**30,
         args,

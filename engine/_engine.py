@@ -63,7 +63,7 @@ class Engine:
     (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
     """
 
-    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.RLock | None = None):
+    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.RLock | contextlib.AbstractContextManager | None = None):
         self.config = config
         self._lock = device_lock or contextlib.nullcontext()
         with self._lock:

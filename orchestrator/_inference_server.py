@@ -8,6 +8,7 @@ in docs/serving.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -61,7 +62,7 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
-        device_lock: threading.RLock | None = None,
+        device_lock: threading.RLock | contextlib.AbstractContextManager | None = None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine
