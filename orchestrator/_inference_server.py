@@ -9,6 +9,7 @@ in docs/serving.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -136,6 +137,10 @@ class PolicyServer:
             raise RuntimeError("call PolicyServer.start() first")
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self._port}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's counters and gauges as `server/...` (errors, pages in use, busy slots, queue, tokens)."""
+        return {f"server/{name}": float(value) for name, value in dataclasses.asdict(self.engine.stats).items()}
 
     def local_sampler(self, server_id: str = "embedded"):
         """A `Sampler` for env workers in this process: the engine without HTTP (see `LocalSampler`)."""

@@ -213,6 +213,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                     metrics.update(buffer.metrics())
                     buffer.flush_if_due()
                 metrics.update(workers.metrics())
+                metrics.update(server.metrics())
                 if server.last_swap is not None:  # copy: the weights; wait: the server's batch in flight
                     metrics["broadcast/swap_seconds"] = server.last_swap.total_seconds
                     metrics["broadcast/swap_copy_seconds"] = server.last_swap.copy_seconds
