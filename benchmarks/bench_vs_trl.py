@@ -92,7 +92,9 @@ def run_marin(args) -> dict:
         "--checkpoint_every=1000000",
         "--server.precompile_prompt_lens=[16]",  # compile every engine shape before step 1, as TRL has none
         f"--envs.addition.group_size={args.group_size}",
-        f"--envs.addition.replicas={args.prompts}",
+        # Twice as many groups in flight as a step takes: the next step's groups generate while this
+        # step's rollouts are scored and stored (TRL generates a step's groups in one call).
+        f"--envs.addition.replicas={2 * args.prompts}",
         f"--envs.addition.sampling.max_tokens={args.max_tokens}",
     ]
     if jax.default_backend() == "gpu":
