@@ -63,15 +63,15 @@ class Engine:
     (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
     """
 
-    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: threading.RLock | contextlib.AbstractContextManager | None = None):
-        self.config = config
-        self._lock = device_lock or contextlib.nullcontext()
-        with self._lock:
-            self._weights = serving_weights(model, config.compute_dtype)
+    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: contextlib.AbstractContextManager | None = None):
         if config.max_seq_len > model.Pos.size:
             raise ValueError(
                 f"max_seq_len={config.max_seq_len} exceeds the model's context length {model.Pos.size} (its config's seq_len)"
             )
+        self.config = config
+        self._lock = device_lock or contextlib.nullcontext()
+        with self._lock:
+            self._weights = serving_weights(model, config.compute_dtype)
         attention = self._weights.attention_config
         self.kernels = choose_kernels(config.attention, self._weights.dtype)
         self.cache_spec = plan_kv_cache(
@@ -87,6 +87,8 @@ class Engine:
         self._decode = eqx.filter_jit(decode_chunk, donate="all-except-first")
         self._deactivate = eqx.filter_jit(deactivate, donate="all")
         self._score = eqx.filter_jit(score_prompt)
+        self.pages = PageAllocator(self.cache_spec.num_pages)
+        self.scheduler = Scheduler(config, self.pages, self.table_width)
         self._reset_device_state()
         if config.precompile_prompt_lens:
             self._precompile(config.precompile_prompt_lens)
@@ -109,11 +111,10 @@ class Engine:
         )
 
     def _reset_device_state(self) -> None:
+        """A fresh KV cache and empty slots (after a failed device call its donated buffers may be gone)."""
         with self._lock:
             self._cache = KvCache.zeros(self.cache_spec)
             self._state = SlotState.empty(self.config.max_seqs, self.table_width, self.config.max_stop_sequences, self.config.max_stop_tokens)
-        self.pages = PageAllocator(self.cache_spec.num_pages)
-        self.scheduler = Scheduler(self.config, self.pages, self.table_width)
 
     def _precompile(self, prompt_lens) -> None:
         """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""
@@ -234,10 +235,11 @@ class Engine:
             scheduler = self.scheduler
             try:
                 self._turn(scheduler)
-            except Exception as e:  # every request in flight gets the error; the engine starts afresh
+            except Exception as e:  # every request in flight gets the error; queued ones are served after
                 logger.exception("inference engine failure; its requests get the error and the engine is reset")
                 self.stats.errors += 1
                 scheduler.fail_all(e)
+                self.pages.check_idle()
                 self._reset_device_state()
             self._publish()
         with self._cv:

@@ -63,7 +63,7 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
-        device_lock: threading.RLock | contextlib.AbstractContextManager | None = None,
+        device_lock: contextlib.AbstractContextManager | None = None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine

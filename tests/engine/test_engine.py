@@ -193,3 +193,27 @@ def test_impossible_requests_are_refused_at_submit(family_engine):
     ]:
         with pytest.raises(ValueError, match=match):
             engine.submit(bad)
+
+
+def test_a_failed_device_call_answers_its_requests_and_the_queued_ones_are_served_after():
+    # batch_wait_s: both requests are in the engine's queue before its first turn.
+    engine = Engine(EngineConfig(max_seqs=2, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.5), tiny("llama"))
+    decode, failures = engine._decode, []
+
+    def fails_once(*args):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("device call failed")
+        return decode(*args)
+
+    engine._decode = fails_once
+    try:
+        running, queued = job([1, 2, 3], n=2, max_tokens=12), job([4, 5, 6], n=2, max_tokens=12)
+        engine.submit(running)
+        engine.submit(queued)  # waits for the two slots the first one holds
+        with pytest.raises(RuntimeError, match="device call failed"):
+            running.future.result(timeout=120)
+        assert [len(s.token_ids) for s in queued.future.result(timeout=120).samples] == [12, 12]
+        assert engine.stats.errors == 1 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
