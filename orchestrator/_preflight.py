@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from marin_rl.config import EnvConfig, TrainConfig
+from marin_rl.distributed import PlacementConfig
 from marin_rl.errors import ConfigError, RunDirError
 
 PROBLEMS_MEASURED = 8
@@ -50,13 +51,18 @@ class CheckedRun:
 
 def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
-    if config.model.attn_backend == "cudnn":
+    if config.model.attn_backend == "cudnn" and config.embedded_devices:
         # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
         # capture fails when the colocated server launches kernels from its thread meanwhile.
         raise ConfigError(
             "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
-            "fails while the server runs kernels); use 'jax_flash' (or 'default')"
+            "fails while the server runs kernels); use 'jax_flash' (or 'default'), or serve from other "
+            "processes (placement.server_devices: [] with remote servers, or runtime: ray)"
         )
+    if config.placement != PlacementConfig():
+        from marin_rl.distributed import Placement
+
+        Placement.of(config)  # every device index exists on this host
     resume_from = check_run_dir(Path(config.run_dir), resume)
     tokenizer = _load_tokenizer(config.tokenizer)
     _check_model(config, len(tokenizer))

@@ -1,0 +1,50 @@
+"""What crosses process boundaries in the Ray runtime, as bytes of documented formats (not pickles):
+rollouts as Arrow IPC streams of the rollout table (`marin_rl.storage`, the Parquet segments' schema),
+weights as safetensors with Hugging Face parameter names (what an HF checkpoint's file holds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from marin_rl.storage import rollouts_to_table, table_to_rollouts
+from marin_rl.types import Rollout
+
+
+def rollouts_to_bytes(rollouts: list[Rollout]) -> bytes:
+    table = rollouts_to_table(rollouts)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def rollouts_from_bytes(data: bytes) -> list[Rollout]:
+    return table_to_rollouts(pa.ipc.open_stream(data).read_all())
+
+
+def weights_to_bytes(model, dtype: str | None = None) -> bytes:
+    """`model`'s parameters as safetensors bytes, floating ones cast to `dtype` (None keeps them)."""
+    import safetensors.numpy
+    from haliax.state_dict import to_torch_compatible_state_dict
+
+    state = {name: np.asarray(array) for name, array in to_torch_compatible_state_dict(model).items()}
+    if dtype is not None:
+        import ml_dtypes  # numpy's bfloat16
+
+        target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+        state = {k: v.astype(target) if np.issubdtype(v.dtype, np.floating) or v.dtype == ml_dtypes.bfloat16 else v for k, v in state.items()}
+    return safetensors.numpy.save(state)
+
+
+def weights_from_bytes(data: bytes, template):
+    """A model shaped like `template` (a model, or `eqx.filter_eval_shape` of one) holding the weights
+    in `data`; ValueError naming the parameter when a name or shape does not match."""
+    import safetensors.numpy
+    from haliax.state_dict import from_torch_compatible_state_dict
+
+    state = safetensors.numpy.load(data)
+    try:
+        return from_torch_compatible_state_dict(template, state)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"the weights do not fit the served model: {type(e).__name__}: {e}") from e
