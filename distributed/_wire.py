@@ -25,25 +25,26 @@ def rollouts_from_bytes(data: bytes) -> list[Rollout]:
 
 def weights_to_bytes(model, dtype: str | None = None) -> bytes:
     """`model`'s parameters as safetensors bytes, floating ones cast to `dtype` (None keeps them)."""
-    import safetensors.numpy
+    import jax.numpy as jnp
+    import safetensors.flax  # JAX arrays, bfloat16 included (safetensors' numpy loader has no bfloat16)
     from haliax.state_dict import to_torch_compatible_state_dict
 
-    state = {name: np.asarray(array) for name, array in to_torch_compatible_state_dict(model).items()}
+    state = to_torch_compatible_state_dict(model)
     if dtype is not None:
-        import ml_dtypes  # numpy's bfloat16
-
-        target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-        state = {k: v.astype(target) if np.issubdtype(v.dtype, np.floating) or v.dtype == ml_dtypes.bfloat16 else v for k, v in state.items()}
-    return safetensors.numpy.save(state)
+        state = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in state.items()}
+    return safetensors.flax.save(state)
 
 
 def weights_from_bytes(data: bytes, template):
     """A model shaped like `template` (a model, or `eqx.filter_eval_shape` of one) holding the weights
     in `data`; ValueError naming the parameter when a name or shape does not match."""
-    import safetensors.numpy
+    import ml_dtypes
+    import safetensors
     from haliax.state_dict import from_torch_compatible_state_dict
 
-    state = safetensors.numpy.load(data)
+    # safetensors' own numpy and flax loaders know no bfloat16: read the raw views (ml_dtypes has it).
+    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "I64": np.int64}
+    state = {name: np.frombuffer(view["data"], dtype=dtypes[view["dtype"]]).reshape(view["shape"]) for name, view in safetensors.deserialize(data)}
     try:
         return from_torch_compatible_state_dict(template, state)
     except (KeyError, ValueError) as e:
