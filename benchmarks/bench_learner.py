@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: H100 bf16 on GPU)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--profile", default=None, help="trace one more step with jax.profiler into this dir; print its top ops")
     return parser.parse_args()
 
 
@@ -124,6 +125,9 @@ def main() -> None:
         for _ in range(args.warmup_steps):
             warmup_s.append(learner.step(example)["step_time_s"])
         step_s = [learner.step(example)["step_time_s"] for _ in range(args.steps)]
+        if args.profile:
+            with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+                learner.step(example)
 
     model = learner.model
     total_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
@@ -160,6 +164,29 @@ def main() -> None:
     stats = device.memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         print(f"peak_device_memory_gib: {stats['peak_bytes_in_use'] / 2**30:.1f}")
+    if args.profile:
+        print_top_ops(args.profile)
+
+
+def print_top_ops(trace_dir: str, top: int = 20) -> None:
+    """Device time per op name in the traced step (from the Perfetto trace), largest first."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    (path,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[-1:]
+    events = json.load(gzip.open(path))["traceEvents"]
+    # Device streams are the processes whose name mentions the GPU (/device:GPU:0 ...).
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name" and "device" in str(e.get("args", {}).get("name", "")).lower()}
+    totals: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in devices:
+            totals[e["name"]] += e.get("dur", 0)
+    total = sum(totals.values())
+    print(f"profile: {total / 1e3:.1f} ms of device time in {len(totals)} op names ({path})")
+    for name, dur in totals.most_common(top):
+        print(f"  {dur / 1e3:9.2f} ms  {dur / max(total, 1):6.1%}  {name[:110]}")
 
 
 if __name__ == "__main__":

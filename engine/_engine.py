@@ -72,7 +72,7 @@ class Engine:
         model,
         policy_version: int = 0,
         *,
-        device_lock: threading.RLock | None = None,
+        device_lock: threading.RLock | contextlib.AbstractContextManager | None = None,
         device: jax.Device | None = None,
     ):
         self.config = config

@@ -24,6 +24,7 @@ from marin_rl.envs._problems import Problem, ProblemStream, load_problems, probl
 from marin_rl.envs._reasoning_gym import ReasoningGymEnv
 from marin_rl.envs._toy import ToyAdditionEnv
 from marin_rl.envs._rewards import EnvMetrics, Scores, VerifierThreads
+from marin_rl.envs._verifiers import VerifiersEnv
 from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, pass_at_k, resolve_settings, sample_group
 from marin_rl.envs._sampling import (
     Completion,
@@ -60,6 +61,7 @@ __all__ = [
     "ToyAdditionEnv",
     "VerifierThreads",
     "Transcript",
+    "VerifiersEnv",
     "build_env",
     "calculate",
     "compose",

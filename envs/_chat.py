@@ -5,6 +5,8 @@ earlier assistant turns keep the ids that were sampled (never re-tokenized text)
 messages are rendered incrementally: `render(messages[:k+1])` minus `render(messages[:k])`, plus
 the generation prompt. That only works for a template that is prefix stable (rendering a longer
 conversation only appends tokens); anything else raises `ChatTemplateError` naming the tokenizer.
+Tools (OpenAI function schemas) are passed to the template with every rendering, as the model's
+chat template expects them.
 
 Token ownership, so that concatenating all turns gives the sequence the model saw:
 - a non-assistant turn owns its rendering plus the generation prompt that follows it (prompt,
@@ -42,11 +44,22 @@ def tokenizer_name(tokenizer: Any) -> str:
     return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
 
 
-def render(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
-    """The chat template's token ids for `messages`."""
+def render(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """The chat template's token ids for `messages` (and `tools`, OpenAI function schemas)."""
     if not messages and not add_generation_prompt:
         return []  # many templates index messages[0]
-    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        tokenize=True,
+        add_generation_prompt=add_generation_prompt,
+    )
     return [int(t) for t in ids]
 
 
@@ -74,12 +87,21 @@ class _Segment:
 
 
 class Transcript:
-    """A conversation and its token ids; ends with a generation prompt whenever it awaits the model."""
+    """A conversation and its token ids; ends with a generation prompt whenever it awaits the model.
 
-    def __init__(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]]):
+    `tools`: OpenAI function schemas the template renders (into the system or first user message).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ):
         if not messages:
             raise ValueError("a conversation needs at least one prompt message")
         self.tokenizer = tokenizer
+        self.tools = [dict(t) for t in tools] if tools else None
         self._messages: list[Message] = []
         self._segments: list[_Segment] = []
         checked = [_check_message(m, f"prompt message {i}", _PROMPT_ROLES) for i, m in enumerate(messages)]
@@ -155,8 +177,8 @@ class Transcript:
 
     def _closing_scaffold(self) -> list[int]:
         """Template ids after the last assistant turn's content that the model did not sample."""
-        before = render(self.tokenizer, self._messages[:-1], add_generation_prompt=True)
-        with_reply = render(self.tokenizer, self._messages)
+        before = self._render(self._messages[:-1], add_generation_prompt=True)
+        with_reply = self._render(self._messages)
         if with_reply[: len(before)] != before:
             raise self._error("an assistant turn is not rendered after the generation prompt")
         rendered = with_reply[len(before) :]
@@ -178,25 +200,42 @@ class Transcript:
         return closing[done:]
 
     def _append_prompt(self, messages: list[Message], closing: list[int]) -> None:
-        previous = render(self.tokenizer, self._messages)
+        previous = self._render(self._messages)
+        final = self._render([*self._messages, *messages])
+        if final[: len(previous)] != previous:
+            raise self._error(f"adding a {messages[0]['role']!r} message changes the earlier tokens")
+        start, lead = len(previous), closing
         for i, message in enumerate(messages):
             self._messages.append(message)
-            current = render(self.tokenizer, self._messages)
-            if current[: len(previous)] != previous:
-                raise self._error(f"adding a {message['role']!r} message changes the earlier tokens")
-            ids = current[len(previous) :]
-            lead = closing if i == 0 else []
+            end = len(final) if i + 1 == len(messages) else self._boundary(final, start)
+            ids = final[start:end]
             self._segments.append(
                 _Segment(message["role"], message["content"], [*lead, *ids], closing_len=len(lead), timestamp=time.time())
             )
-            previous = current
-        prompt = render(self.tokenizer, self._messages, add_generation_prompt=True)
-        if prompt[: len(previous)] != previous:
+            start, lead = end, []
+        prompt = self._render(self._messages, add_generation_prompt=True)
+        if prompt[: len(final)] != final:
             raise self._error("the generation prompt changes the earlier tokens")
-        generation = prompt[len(previous) :]
+        generation = prompt[len(final) :]
         last = self._segments[-1]
         last.token_ids.extend(generation)
         last.generation_len = len(generation)
+
+    def _boundary(self, final: list[int], start: int) -> int:
+        """Where the messages so far end in `final`, the rendering of the whole batch.
+
+        A template may render consecutive messages as one block (Qwen wraps parallel tool results
+        in one user turn) or refuse a partial conversation (Llama 3 with tools needs the first user
+        message): then there is no boundary here, and the block's ids go to its last message.
+        """
+        try:
+            current = self._render(self._messages)
+        except Exception:  # noqa: BLE001 - any template error means the same: no boundary here
+            return start
+        return len(current) if final[: len(current)] == current else start
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[int]:
+        return render(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=self.tools)
 
     def _error(self, what: str) -> ChatTemplateError:
         return ChatTemplateError(

@@ -146,6 +146,8 @@ async def gather_all(coroutines: Iterable[Awaitable[T]]) -> list[T]:
     except BaseException:
         for task in tasks:
             task.cancel()
+        # Let them unwind (close their connections) before the caller's own cleanup runs.
+        await asyncio.gather(*tasks, return_exceptions=True)
         raise
 
 

@@ -1,42 +1,48 @@
-"""Run a `verifiers` (v1 API) taskset against our servers, token-exact.
+"""Run a `verifiers` (0.4, v1 API) environment against our servers, token-exact.
 
-Supported version: verifiers==0.3.1 (the newest release that allows the pinned openai 3.x; 0.4.0
-requires openai<3). What runs is verifiers' own rollout lifecycle (`verifiers.v1.rollout.Rollout`:
-task setup, `@stop`/`@intercept` hooks, the interception server, finalize, `@reward` scoring with
-its timeout, the `Trace`), with two pieces of ours plugged in:
+What runs is verifiers' own episode (`vf.Env.run_episode`: the env's `run()` driving its agents,
+each agent's rollout lifecycle with task setup, `@stop`/`@intercept` hooks, tool servers, finalize,
+`@reward` scoring, the `Trace`, then the env's `finalize()`), through its public API, with two
+pieces of ours plugged in where verifiers takes plugins:
 
-- a model `Client` that renders each intercepted chat request with the policy tokenizer
-  (`Transcript`, the same incremental rendering as native envs) and samples through our `Sampler`,
-  so every assistant turn carries the sampled ids and logprobs (also handed to verifiers as
-  `TurnTokens`, so its trace has them too);
-- an in-process chat harness (verifiers allows a harness to run its loop in-process as long as
-  model calls go through the interception endpoint): the task prompt, one model call per segment.
+- the model endpoint (`_verifiers_endpoint`): every agent's model calls reach it through verifiers'
+  interception server as the run's OpenAI-compatible endpoint; it renders each conversation with
+  the policy tokenizer (`Transcript`), samples through our `Sampler` and parses tool calls in the
+  model family's format, so every assistant turn keeps its sampled ids and logprobs;
+- the harness (`_verifiers_harness`): verifiers' `null` chat loop (chat plus the task's MCP tools)
+  as an in-process coroutine. Seats with no harness or `null` get it; harnesses that run their own
+  program (bash, codex, ...) are refused.
 
-Scope: single-agent tasks without tools (MCP tool servers and tool-call parsing are model
-specific and not wired) and no container runtimes. Scoring failures (a reward that raises, times out
-or returns NaN) give reward 0 with the error recorded; any other failure of the rollout raises.
+Agents run in the subprocess runtime (tool servers verifiers starts itself as local processes);
+remote and container runtimes are refused. Every trainable agent's trace becomes a `Rollout`.
+Scoring failures (a reward that raises, times out or returns NaN) give reward 0 with the error
+recorded; any other failure of an episode raises.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
-import importlib
 import math
-import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from marin_rl.envs._chat import Transcript
 from marin_rl.envs._env import Env, register_env
 from marin_rl.envs._optional import import_optional
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics
 from marin_rl.envs._runner import RolloutSettings, gather_all
 from marin_rl.envs._sampling import Sampler
+from marin_rl.envs._tool_calls import resolve_tool_call_format
+from marin_rl.envs._verifiers_endpoint import ChatEndpoint, ChatSessions, Session
 from marin_rl.types import Rollout
 
-VERIFIERS_VERSION = "0.3.1"
+VERIFIERS_VERSION = "0.4.0"
+_IN_PROCESS_HARNESSES = (None, "null")
+"""Harness ids our in-process chat harness stands in for (None: a seat left to verifiers' default,
+`bash`, which would hand the model a shell; marin-rl runs no model-written code)."""
 
 
 def _vf():
@@ -45,24 +51,42 @@ def _vf():
 
 @register_env("verifiers")
 class VerifiersEnv(Env):
-    """A verifiers taskset: by installed id (`taskset: gsm8k-v1`), import path (`pkg.module:MyTaskset`),
-    or a `Taskset` instance; `taskset_args` are its config fields. Its tasks' `@reward` functions and
-    weights score the rollouts (the run config's `reward_weights` override the weights)."""
+    """A verifiers environment: an installed taskset (`taskset: gsm8k-v1`, the id `vf-eval` takes),
+    optionally paired with an env (`env: user-sim`; default: the taskset's own or single-agent).
+    `taskset_args` / `env_args` are their config fields. The tasks' `@reward` functions and weights
+    score the rollouts (the run config's `reward_weights` override the weights)."""
 
-    def __init__(self, taskset: Any, taskset_args: Mapping[str, Any] | None = None, model: str = "policy"):
+    max_turns = 32
+
+    def __init__(
+        self,
+        taskset: str,
+        taskset_args: Mapping[str, Any] | None = None,
+        env: str = "",
+        env_args: Mapping[str, Any] | None = None,
+        model: str = "policy",
+        tool_call_format: str = "auto",
+    ):
         vf = _vf()
-        self.taskset = taskset if isinstance(taskset, vf.Taskset) else _load_taskset(taskset, taskset_args or {})
+        self._config = vf.resolve_env_config({**(env_args or {}), "id": env, "taskset": {**(taskset_args or {}), "id": taskset}})
+        self._envs: dict[float, Any] = {}
+        self._serving: dict[Any, _Serving] = {}
+        self.vf_env = self._vf_env(self.verifier_timeout_s)
+        """The verifiers env (its taskset gives the problems)."""
+        _check_tool_servers(self.vf_env.taskset)
         self.model = model
-        """Model name recorded on the verifiers trace (sampling goes through our `Sampler`)."""
+        """Model name verifiers records on its traces (sampling goes through our `Sampler`)."""
+        self.tool_call_format = tool_call_format
+        """`auto` (from the tokenizer's special tokens), `hermes` (Qwen2.5/Qwen3) or `llama3`."""
 
     def problems(self) -> Iterator[Problem]:
-        for task in self.taskset:
+        for task in self.vf_env.taskset:
             yield Problem(id=task.key, prompt=task.data.prompt_text, extras={"task": task})
 
     @functools.cached_property
     def _reward_weights(self) -> dict[str, float]:
         # Read off the first task (a taskset yields one task type); loading it once is enough.
-        task = next(iter(self.taskset), None)
+        task = next(iter(self.vf_env.taskset), None)
         if task is None:
             return {}
         weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in task.hooks("reward")}
@@ -72,104 +96,89 @@ class VerifiersEnv(Env):
     def default_reward_weights(self) -> dict[str, float]:
         return dict(self._reward_weights)
 
+    def _vf_env(self, scoring_timeout_s: float) -> Any:
+        """The verifiers env whose agents score with this timeout (the run config may set its own)."""
+        if scoring_timeout_s not in self._envs:
+            vf_env = _vf().load_environment(_local_config(self._config, scoring_timeout_s))
+            self._envs[scoring_timeout_s] = vf_env
+            self._serving[vf_env] = _Serving(vf_env)
+        return self._envs[scoring_timeout_s]
+
+    @functools.cached_property
+    def _tool_call_format(self) -> str | None:
+        return resolve_tool_call_format(self.tokenizer, self.tool_call_format)
+
     async def sample_rollouts(
         self, problem: Problem, sampler: Sampler, n: int, settings: RolloutSettings, metrics: EnvMetrics
     ) -> list[Rollout]:
-        from verifiers.v1.interception import InterceptionServer
-        from verifiers.v1.utils.compile import validate_pairing
-
         vf = _vf()
-        task = problem.extras["task"]
-        harness = _chat_harness_class()(vf.HarnessConfig(id="marin-rl-chat"))
-        validate_pairing(harness, type(task), vf.SubprocessConfig(), tools=task.toolsets(task.config))
-        client = _token_client_class()(self.tokenizer, sampler, settings)
-
-        class Interception(InterceptionServer):
-            def _client(self, config):  # every session samples through our token-exact client
-                return client
-
+        sessions = ChatSessions(self.tokenizer, sampler, settings, self._tool_call_format, group_size=n)
+        vf_env = self._vf_env(settings.verifier_timeout_s)
+        async with self._serving[vf_env]() as endpoint, endpoint.group(sessions) as on_trace:
+            ctx = vf.ModelContext(model=self.model, client=vf.EvalClientConfig(**endpoint.client_config()))
+            task = problem.extras["task"]
+            episodes = await gather_all(vf_env.run_episode(task, ctx, on_trace=on_trace) for _ in range(n))
         group_id = uuid.uuid4().hex
-        async with Interception() as server:
-            traces = await gather_all(self._run(task, harness, server, settings) for _ in range(n))
-        return [self._to_rollout(problem, trace, client, settings, metrics, group_id) for trace in traces]
-
-    async def _run(self, task: Any, harness: Any, server: Any, settings: RolloutSettings) -> Any:
-        from verifiers.v1.rollout import Rollout as VfRollout
-        from verifiers.v1.rollout import RolloutTimeouts
-        from verifiers.v1.session import RolloutLimits
-
-        vf = _vf()
-        sampling = settings.sampling
-        ctx = vf.ModelContext(
-            model=self.model,
-            # Never contacted: the interception hands every session our client.
-            client=vf.EvalClientConfig(base_url="http://127.0.0.1:9/unused", api_key_var="MARIN_RL_UNUSED"),
-            sampling=vf.Sampling(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens),
-        )
-        timeout = task.data.timeout
-        run = VfRollout(
-            task=task,
-            agent_config=vf.AgentConfig(model=self.model, runtime=vf.SubprocessConfig(), max_turns=settings.max_turns),
-            harness=harness,
-            ctx=ctx,
-            runtime_config=vf.SubprocessConfig(),
-            timeouts=RolloutTimeouts(
-                setup=timeout.setup, agent=timeout.agent, finalize=timeout.finalize, scoring=settings.verifier_timeout_s
-            ),
-            limits=RolloutLimits(max_turns=settings.max_turns),
-            interception=server,
-        )
-        try:  # the lifecycle of `verifiers.v1.Agent.run`, with our harness instance
-            if await run.open():
-                await run.step()
-                if run.ok:
-                    run.trace.stop("agent_completed")
-            return await run.close()
-        except BaseException:
-            await run.abort()
-            raise
+        rollouts = []
+        for episode in episodes:
+            if episode.errors:  # the env's own run() or finalize() failed
+                raise RuntimeError(f"verifiers episode of task {problem.id!r} failed: {_describe(episode.errors)}")
+            for trace in episode.traces:
+                if trace.agent.trainable:
+                    session = sessions.sessions.get(trace.id)
+                    rollouts.append(self._to_rollout(problem, trace, session, settings, metrics, group_id))
+        return rollouts
 
     def _to_rollout(
         self,
         problem: Problem,
         trace: Any,
-        client: Any,
+        session: Session | None,
         settings: RolloutSettings,
         metrics: EnvMetrics,
         group_id: str,
     ) -> Rollout:
-        transcript = client.transcripts.pop(trace.id, None)
+        transcript = session.transcript if session is not None else None
         scored = trace.timing.scoring.start > 0  # everything before scoring succeeded
         if transcript is None or transcript.num_assistant_turns == 0 or (trace.errors and not scored):
-            details = "; ".join(f"{e.type}: {e.message}" for e in trace.errors) or "no assistant turn"
+            details = _describe(trace.errors) or "no assistant turn"
+            if session is not None and session.stop_reason == "max_total_tokens":
+                details = f"the prompt alone does not fit under max_total_tokens={settings.max_total_tokens}"
             raise RuntimeError(
                 f"verifiers rollout of task {problem.id!r} failed (stop condition {trace.stop_condition!r}): {details}"
             )
-        scoring_error = next((e.message for e in reversed(trace.errors)), None)
+        timed_out = trace.stop_condition == "scoring_timeout"
+        scoring_error = next((e.message for e in reversed(trace.errors)), "scoring timed out" if timed_out else None)
         rewards, errors, total = {}, {}, 0.0
         for name, value in trace.rewards.items():
             score = None if value is None else value.score
             if score is None or not math.isfinite(score):
                 error = scoring_error or f"returned {score!r}, expected a finite number"
-                metrics.increment("reward_timeouts" if "timed out" in error else "reward_errors")
+                metrics.increment("reward_timeouts" if timed_out else "reward_errors")
                 errors[name], score = error, 0.0
             weight = settings.reward_weights.get(name, 1.0 if value is None else value.weight)
             rewards[name] = float(score)
             total += weight * score
         if scoring_error is not None and not trace.rewards:
-            metrics.increment("reward_timeouts" if "timed out" in scoring_error else "reward_errors")
+            metrics.increment("reward_timeouts" if timed_out else "reward_errors")
             errors["verifiers"] = scoring_error
+        if session.malformed_tool_calls:
+            metrics.increment("malformed_tool_calls", session.malformed_tool_calls)
         turns = transcript.turns()
-        truncated = trace.is_truncated or any(
-            t.inference_metadata is not None and t.inference_metadata.finish_reason == "length" for t in turns
+        truncated = (
+            trace.is_truncated
+            or session.stop_reason == "max_total_tokens"
+            or any(t.inference_metadata is not None and t.inference_metadata.finish_reason == "length" for t in turns)
         )
         metadata: dict[str, Any] = {
             "verifiers": {
                 "version": VERIFIERS_VERSION,
                 "trace_id": trace.id,
+                "agent": trace.agent.name,
                 "stop_condition": trace.stop_condition,
                 "metrics": {k: v for k, v in trace.metrics.items() if v is not None and math.isfinite(v)},
             },
+            "stop_reason": session.stop_reason or trace.stop_condition,
             "num_turns": transcript.num_assistant_turns,
         }
         if errors:
@@ -187,105 +196,98 @@ class VerifiersEnv(Env):
         )
 
 
-def _load_taskset(taskset: str, args: Mapping[str, Any]) -> Any:
+class _Serving:
+    """The model endpoint and `vf_env.serving()` (its interception pool, shared tool servers), held
+    while any group runs: verifiers keeps what `serving()` opens on the env object, so concurrent
+    groups share one. The first group in opens it, the last one out closes it."""
+
+    def __init__(self, vf_env: Any):
+        self.vf_env = vf_env
+        self._users = 0
+        self._endpoint: ChatEndpoint | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.asynccontextmanager
+    async def __call__(self) -> AsyncIterator[ChatEndpoint]:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new event loop: what an earlier one opened went with it
+            self._loop, self._lock, self._users = loop, asyncio.Lock(), 0
+        async with self._lock:
+            if self._users == 0:
+                async with contextlib.AsyncExitStack() as stack:  # closes the endpoint if serving() fails
+                    self._endpoint = await stack.enter_async_context(ChatEndpoint())
+                    await stack.enter_async_context(self.vf_env.serving())
+                    self._stack = stack.pop_all()
+            self._users += 1
+        try:
+            yield self._endpoint
+        finally:
+            async with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    await self._stack.aclose()
+
+
+def _describe(errors: list) -> str:
+    return "; ".join(f"{e.type}: {e.message}" for e in errors)
+
+
+def _local_config(config: Any, scoring_timeout_s: float) -> Any:
+    """`config` with every seat on our in-process chat harness and the subprocess runtime, scoring
+    with `scoring_timeout_s`.
+
+    A seat that pins another harness or a remote/container runtime is refused: marin-rl runs
+    verifiers agents in its own process, with tool servers verifiers starts as local processes."""
     vf = _vf()
-    from verifiers.v1.utils.generic import concrete_type
+    from marin_rl.envs._verifiers_harness import HARNESS_ID
 
-    if ":" in taskset:
-        module_name, _, attr = taskset.partition(":")
-        cls = getattr(importlib.import_module(module_name), attr, None)
-        if not (isinstance(cls, type) and issubclass(cls, vf.Taskset)):
-            raise ValueError(f"verifiers taskset {taskset!r}: {module_name}.{attr} is not a verifiers Taskset (got {cls!r})")
-        config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
-        return cls(config_cls.model_validate(dict(args)))
-    config_cls = vf.taskset_config_type(taskset)
-    return vf.load_taskset(config_cls.model_validate({**args, "id": taskset}))
-
-
-@functools.cache
-def _chat_harness_class():
-    """The in-process chat harness (built lazily: verifiers takes seconds to import)."""
-    from openai import AsyncOpenAI
-    from verifiers.v1.dialects.chat import message_to_wire
-    from verifiers.v1.runtimes import ProgramResult
-
-    vf = _vf()
-
-    class ChatHarness(vf.Harness):
-        APPENDS_SYSTEM_PROMPT = True
-        SUPPORTS_RESUME = True
-        EXECUTES_CODE = False
-        NEEDS_CONTAINER = False
-
-        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data) -> ProgramResult:
-            system, prompt = self.resolve_prompt(data)
-            messages = [{"role": "system", "content": system}] if system else []
-            if isinstance(prompt, str):
-                messages.append({"role": "user", "content": prompt})
-            else:
-                messages.extend(message_to_wire(m) for m in prompt or [])
-            async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-                await client.chat.completions.create(model=ctx.model, messages=messages)
-            return ProgramResult(exit_code=0, stdout="", stderr="")
-
-    return ChatHarness
-
-
-@functools.cache
-def _token_client_class():
-    """A verifiers model `Client` that samples token-exact through our `Sampler` (built lazily)."""
-    from verifiers.v1.clients import Client
-    from verifiers.v1.clients.train import serialize_completion
-    from verifiers.v1.errors import OverlongPromptError
-    from verifiers.v1.types import AssistantMessage, Response, TurnTokens, Usage, content_text
-
-    class TokenClient(Client):
-        def __init__(self, tokenizer: Any, sampler: Sampler, settings: RolloutSettings):
-            self.tokenizer = tokenizer
-            self.sampler = sampler
-            self.settings = settings
-            self.transcripts: dict[str, Transcript] = {}
-            """Per verifiers trace id, the conversation with its exact token ids."""
-
-        async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None) -> Response:
-            prompt = turn.prompt if turn is not None else dialect.parse_request(body).messages
-            messages = [{"role": m.role, "content": content_text(m.content)} for m in prompt]
-            transcript = self._extend(session_id or "", messages)
-            prompt_ids, spans = transcript.token_ids, transcript.message_spans()
-            params = self.settings.turn_sampling(len(prompt_ids))
-            if params is None:  # verifiers ends the rollout as a clean truncation (`context_length`)
-                raise OverlongPromptError(f"{len(prompt_ids)} prompt tokens leave no room under max_total_tokens")
-            [completion] = await self.sampler.sample(prompt_ids, 1, params)
-            content = transcript.add_completion(completion)
-            response = Response(
-                id=f"marin-{uuid.uuid4().hex}",
-                created=int(time.time()),
-                model=body.get("model", ""),
-                message=AssistantMessage(content=content),
-                finish_reason=completion.finish_reason,
-                usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(completion.token_ids)),
-                tokens=TurnTokens(
-                    prompt_ids=prompt_ids,
-                    completion_ids=completion.token_ids.tolist(),
-                    completion_logprobs=completion.logprobs.tolist(),
-                    message_spans=spans,
-                ),
+    bundled = vf.default_harness_id(config.taskset.id)  # verifiers' `bash` unless the taskset ships one
+    seats = {}
+    for name, seat in config:
+        if not isinstance(seat, vf.AgentConfig):
+            continue
+        harness = seat.harness
+        harness_id = harness.id if harness is not None else None if bundled == "bash" else bundled
+        if harness_id not in _IN_PROCESS_HARNESSES:
+            raise ValueError(
+                f"verifiers env {config.env_id!r}: seat {name!r} uses harness {harness_id!r}, which runs its own "
+                f"program in a runtime; marin-rl plays verifiers agents with its in-process chat harness (verifiers' "
+                f"`null` loop with the task's tools): leave {name}.harness unset or use 'null'"
             )
-            response.raw = serialize_completion(response, response.model)
-            return response
+        fields = harness.model_dump(exclude={"id"}) if harness is not None else {}
+        update = {
+            "harness": vf.HarnessConfig(**fields, id=HARNESS_ID),
+            "timeout": seat.timeout.model_copy(update={"scoring": scoring_timeout_s}),
+        }
+        if "runtime" not in seat.model_fields_set:
+            update["runtime"] = vf.SubprocessConfig()  # verifiers' default is a remote sandbox
+        elif not isinstance(seat.runtime, vf.SubprocessConfig):
+            raise ValueError(
+                f"verifiers env {config.env_id!r}: seat {name!r} asks for the {seat.runtime.type!r} runtime; "
+                "marin-rl runs verifiers agents locally (subprocess runtime) only, not in remote or container runtimes"
+            )
+        seats[name] = seat.model_copy(update=update)
+    return config.model_copy(update=seats)
 
-        def _extend(self, session_id: str, messages: list[dict[str, Any]]) -> Transcript:
-            transcript = self.transcripts.get(session_id)
-            if transcript is None:
-                transcript = self.transcripts[session_id] = Transcript(self.tokenizer, messages)
-                return transcript
-            known = transcript.messages
-            if [(m["role"], m["content"]) for m in messages[: len(known)]] != [(m["role"], m["content"]) for m in known]:
-                raise ValueError(
-                    "verifiers: the harness rewrote earlier messages of the conversation; token-exact rollouts "
-                    "need a conversation that only grows"
-                )
-            transcript.add_messages(messages[len(known) :])
-            return transcript
 
-    return TokenClient
+def _check_tool_servers(taskset: Any) -> None:
+    """Refuse tool servers that are not local processes verifiers starts itself (remote URLs, containers)."""
+    vf = _vf()
+    task_cls = type(taskset).task_type()
+    if task_cls.NEEDS_CONTAINER:
+        raise ValueError(f"verifiers task {task_cls.__name__} needs a container runtime, which marin-rl does not run")
+    servers = [*task_cls.toolsets(taskset.config.task), *type(taskset).toolsets(taskset.config)]
+    for server in servers:
+        config = server.config
+        if getattr(config, "url", None):
+            raise ValueError(
+                f"verifiers tool server {server.server_name!r} is remote ({config.url}); marin-rl only runs tool "
+                "servers verifiers starts itself as local processes"
+            )
+        if not isinstance(config.runtime, vf.SubprocessConfig):
+            raise ValueError(
+                f"verifiers tool server {server.server_name!r} asks for the {config.runtime.type!r} runtime; "
+                "marin-rl only runs tool servers as local processes (subprocess runtime)"
+            )

@@ -42,6 +42,8 @@ class Endpoint:
     request_timeout_s: float = 600.0
     gate: VersionGate | None = None
     """None: always serves this run's weights (the embedded server)."""
+    local: Sampler | None = None
+    """Samples from this server in-process, without HTTP (the embedded server's `LocalSampler`)."""
 
     @property
     def ready(self) -> bool:

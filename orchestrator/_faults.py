@@ -20,6 +20,7 @@ import tenacity
 
 from marin_rl.envs import SamplerError
 from marin_rl.errors import ConfigError, PermanentError
+from marin_rl.orchestrator._server_protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ class ServerNotReady(Exception):
 def classify(error: BaseException) -> Fault:
     if isinstance(error, (PermanentError, ConfigError, SamplerError, FileNotFoundError)):
         return "permanent"
-    if isinstance(error, openai.APIStatusError):
-        return "transient" if error.status_code >= 500 or error.status_code in _RETRIED_STATUSES else "permanent"
+    if isinstance(error, (openai.APIStatusError, ApiError)):  # over HTTP, or from the in-process sampler
+        status = error.status_code if isinstance(error, openai.APIStatusError) else error.status
+        return "transient" if status >= 500 or status in _RETRIED_STATUSES else "permanent"
     if isinstance(error, (openai.APIConnectionError, httpx.TransportError, ConnectionError, TimeoutError, ServerNotReady)):
         return "transient"
     return "unknown"

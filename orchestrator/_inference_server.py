@@ -8,6 +8,8 @@ in docs/serving.md.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -62,7 +64,7 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
-        device_lock: threading.RLock | None = None,
+        device_lock: threading.RLock | contextlib.AbstractContextManager | None = None,
         device=None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
@@ -137,6 +139,16 @@ class PolicyServer:
             raise RuntimeError("call PolicyServer.start() first")
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"http://{host}:{self._port}/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's counters and gauges as `server/...` (errors, pages in use, busy slots, queue, tokens)."""
+        return {f"server/{name}": float(value) for name, value in dataclasses.asdict(self.engine.stats).items()}
+
+    def local_sampler(self, server_id: str = "embedded"):
+        """A `Sampler` for env workers in this process: the engine without HTTP (see `LocalSampler`)."""
+        from marin_rl.orchestrator._local_sampler import LocalSampler
+
+        return LocalSampler(self.app.state.handler, server_id)
 
     @property
     def policy_version(self) -> int:

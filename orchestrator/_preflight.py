@@ -51,14 +51,6 @@ class CheckedRun:
 
 def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
-    if config.model.attn_backend == "cudnn" and config.embedded_devices:
-        # Seen on an H200 (jax 0.11.2): cuDNN attention captures a CUDA graph the first time it runs, and the
-        # capture fails when the colocated server launches kernels from its thread meanwhile.
-        raise ConfigError(
-            "model.attn_backend: 'cudnn' cannot train next to the embedded server (cuDNN's CUDA-graph capture "
-            "fails while the server runs kernels); use 'jax_flash' (or 'default'), or serve from other "
-            "processes (placement.server_devices: [] with remote servers, or runtime: ray)"
-        )
     if config.placement != PlacementConfig():
         from marin_rl.distributed import Placement
 

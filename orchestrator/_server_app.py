@@ -68,7 +68,7 @@ class _Choice:
     stop_reason: int | str | None
 
 
-class _Handler:
+class RequestHandler:
     """Turns validated requests into engine jobs and engine results into responses."""
 
     def __init__(self, config: InferenceServerConfig, tokenizer, engine: Engine, vocab_size: int):
@@ -240,7 +240,7 @@ class _Handler:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def _render_chat(handler: _Handler, tokenizer, request: ChatCompletionRequest) -> list[int]:
+def _render_chat(handler: RequestHandler, tokenizer, request: ChatCompletionRequest) -> list[int]:
     messages = [m.to_template() for m in request.messages]
     handler.check_prompt_text(sum(len(m.get("content") or "") for m in messages), "messages")
     try:
@@ -258,7 +258,8 @@ def _render_chat(handler: _Handler, tokenizer, request: ChatCompletionRequest) -
     return list(ids)
 
 
-def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]:
+def completion_prompts(handler: RequestHandler, prompt) -> list[list[int]]:
+    """The token ids of a completions request's `prompt` (texts are tokenized), checked."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -269,7 +270,7 @@ def _completion_prompts(handler: _Handler, tokenizer, prompt) -> list[list[int]]
     for p in prompt:
         if isinstance(p, str):
             handler.check_prompt_text(len(p), "prompt")
-            p = tokenizer.encode(p, add_special_tokens=True)
+            p = handler.tokenizer.encode(p, add_special_tokens=True)
         out.append(handler.check_prompt_ids(list(p), "prompt"))
     return out
 
@@ -285,7 +286,8 @@ def build_app(
     # FastAPI answers 413 to a body over the limit before reading it (Content-Length), or as soon as
     # the bytes read pass it (chunked).
     app = FastAPI(title="marin-rl inference server", max_body_size=config.max_request_bytes)
-    handler = _Handler(config, tokenizer, engine, vocab_size)
+    handler = RequestHandler(config, tokenizer, engine, vocab_size)
+    app.state.handler = handler  # the in-process sampler of the embedded server uses it too
     instance = uuid.uuid4().hex
 
     @app.exception_handler(ApiError)
@@ -361,7 +363,7 @@ def build_app(
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(request: CompletionRequest) -> CompletionResponse:
         model = handler.check_model(request.model)
-        prompts = _completion_prompts(handler, tokenizer, request.prompt)
+        prompts = completion_prompts(handler, request.prompt)
         jobs = handler.jobs(request, prompts, request.requested_max_tokens(), "prompt")
         results = await handler.run(jobs)
         as_ids = request.return_tokens_as_token_ids
@@ -370,8 +372,9 @@ def build_app(
         for prompt, job, result in zip(prompts, jobs, results):
             prompt_logprobs = handler.prompt_logprobs(prompt, result.prompt_scores)
             for c in handler.choices(request, job, result):
-                tokens = [token_string(tokenizer, t, as_ids) for t in c.token_ids]
-                offsets = np.cumsum([0] + [len(tokenizer.decode([t])) for t in c.token_ids[:-1]]).tolist()
+                pieces = tokenizer.batch_decode([[t] for t in c.token_ids])  # one call, not one per token
+                tokens = [f"token_id:{t}" for t in c.token_ids] if as_ids else pieces
+                offsets = np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist()
                 choices.append(
                     CompletionChoice(
                         index=len(choices),

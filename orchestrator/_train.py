@@ -10,6 +10,7 @@ actors (`marin_rl.distributed`), the rest stays here. Read top to bottom: set up
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -87,12 +88,14 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
             run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
         set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
         logger.info("resuming at policy version %d", learner.policy_version)
-    # The learner and the embedded engine share the device and take turns on it: the engine holds this
-    # lock around each device call, the loop around each learn/broadcast/save phase. Overlapping kernels
-    # gain little on one device, and cuDNN attention's CUDA-graph capture fails if another thread
-    # launches work meanwhile (seen on an H200, jax 0.11.2).
-    # An engine on a device of its own needs no lock: the swap copies the weights device to device.
-    device_lock = threading.RLock()  # re-entrant: the broadcast's swap takes it inside the loop's phase
+    # On a GPU the learner and an embedded engine on its device take turns on it: the engine holds this
+    # lock around each device call, the loop around each learn/broadcast/save phase. cuDNN attention's
+    # CUDA-graph capture fails if another thread launches work meanwhile (seen on an H200, jax 0.11.2),
+    # and overlapping kernels gain little on one GPU. On a CPU they overlap: sampling the next batch
+    # (mostly Python) runs beside the learner's step. An engine on a device of its own needs no lock: the
+    # swap copies the weights device to device.
+    # Re-entrant: the broadcast's swap takes it inside the loop's phase.
+    device_lock = threading.RLock() if jax.default_backend() == "gpu" else contextlib.nullcontext()
     servers = [
         PolicyServer(
             config.server,
@@ -129,9 +132,11 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     # Servers in other processes are sampled from only while they serve this run's weights (their
     # transport says).
     timeout = config.server.request_timeout_s
+    # Workers in this process reach the embedded engines directly (no HTTP, no JSON); other servers over HTTP.
+    names = ["embedded"] if len(servers) == 1 else [f"embedded{i}" for i in range(len(servers))]
     endpoints = [
-        Endpoint(server.base_url, config.server.model_name, "embedded" if len(servers) == 1 else f"embedded{i}", timeout)
-        for i, server in enumerate(servers)
+        Endpoint(server.base_url, config.server.model_name, name, timeout, local=server.local_sampler(name))
+        for name, server in zip(names, servers)
     ]
     endpoints += [
         Endpoint(transport.base_url, config.server.model_name, transport.server_id, timeout, gate=transport)
@@ -214,6 +219,9 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                     metrics.update(buffer.metrics())
                     buffer.flush_if_due()
                 metrics.update(workers.metrics())
+                for server in servers:  # engine counters, summed over the embedded engines
+                    for key, value in server.metrics().items():
+                        metrics[key] = metrics.get(key, 0.0) + value
                 swaps = [server.last_swap for server in servers if server.last_swap is not None]
                 if swaps:  # copy: the weights (device to device); wait: the server's batch in flight; the slowest
                     metrics["broadcast/swap_seconds"] = max(swap.total_seconds for swap in swaps)
@@ -251,7 +259,10 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         raise
     finally:
         # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights.
-        workers.stop()
+        try:
+            workers.stop()
+        except KeyboardInterrupt as e:  # a second Ctrl-C while the workers stop: keep the rollouts anyway
+            ended_by = e
         for buffer in buffers.values():
             buffer.close()
         metrics_log.close()
@@ -263,6 +274,8 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         # Not after a NaN (the weights are NaN) or a second Ctrl-C (stop now).
         if not isinstance(ended_by, (FloatingPointError, KeyboardInterrupt)) and saved[-1:] != [learner.policy_version]:
             _save_or_log(save_checkpoint, ended_by)
+        if isinstance(ended_by, KeyboardInterrupt):
+            raise ended_by
     if failures:
         raise failures[0]
     learner.export_hf()

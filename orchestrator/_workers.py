@@ -202,7 +202,7 @@ class EnvWorkers:
         self._stopping = asyncio.Event()
         clients = [AsyncOpenAI(base_url=e.base_url, api_key="EMPTY", max_retries=0, timeout=e.request_timeout_s) for e in self.endpoints]
         self._samplers = [
-            GatedSampler(OpenAISampler(c, e.model, server_id=e.server_id), e) for c, e in zip(clients, self.endpoints)
+            GatedSampler(e.local or OpenAISampler(c, e.model, server_id=e.server_id), e) for c, e in zip(clients, self.endpoints)
         ]
         self._router = LeastLoadedSampler(self._samplers)
         self._teachers: dict[str, tuple[OpenAISampler, TeacherScorer | None]] = {}

@@ -100,8 +100,11 @@ def test_non_prefix_stable_template_names_the_tokenizer(tokenizer):
         "{{ messages|length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
+    # The prompt is rendered as one block (its ids are exact); growing the conversation is what fails.
+    transcript = Transcript(unstable, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    transcript.add_completion(_completion([*_encode(tokenizer, "a"), tokenizer.eos_token_id]))
     with pytest.raises(ChatTemplateError, match="unstable-tok"):
-        Transcript(unstable, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        transcript.add_messages([{"role": "user", "content": "again"}])
 
 
 def test_template_that_rewrites_earlier_assistant_turns_is_refused(tokenizer):
@@ -134,3 +137,30 @@ def test_copies_grow_independently(tokenizer):
     a.add_completion(_completion(_encode(tokenizer, "x")))
     a.add_messages([{"role": "user", "content": "y"}])
     assert b.token_ids == base.token_ids and b.num_assistant_turns == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "calc_add", "description": "Add.", "parameters": {"type": "object"}}}]
+
+
+def test_tools_are_rendered_by_the_template_and_parallel_results_share_its_block(qwen_tokenizer):
+    prompt = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "2+3?"}]
+    transcript = Transcript(qwen_tokenizer, prompt, tools=TOOLS)
+    assert transcript.token_ids == qwen_tokenizer.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True)
+    calls = '<tool_call>\n{"name": "calc_add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    transcript.add_completion(_completion([*_encode(qwen_tokenizer, calls), qwen_tokenizer.eos_token_id]))
+    transcript.add_messages([{"role": "tool", "content": "5"}, {"role": "tool", "content": "6"}])
+    messages = [*prompt, {"role": "assistant", "content": calls}, {"role": "tool", "content": "5"}, {"role": "tool", "content": "6"}]
+    assert transcript.token_ids == qwen_tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True)
+    # Qwen renders consecutive tool results as one user block: its ids go to the block's last message.
+    first, second = transcript.turns()[3:]
+    assert qwen_tokenizer.decode(first.token_ids) == "\n"  # what closes the assistant turn
+    assert qwen_tokenizer.decode(second.token_ids).startswith("<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>")
+
+
+def test_a_template_that_cannot_render_part_of_the_prompt_gives_it_to_the_next_message(llama3_tokenizer):
+    # Llama 3 with tools puts them into the first user message: a system message alone does not render.
+    prompt = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "2+3?"}]
+    transcript = Transcript(llama3_tokenizer, prompt, tools=TOOLS)
+    assert transcript.token_ids == llama3_tokenizer.apply_chat_template(prompt, tools=TOOLS, add_generation_prompt=True)
+    system, user = transcript.turns()
+    assert len(system.token_ids) == 0 and len(user.token_ids) == len(transcript.token_ids)

@@ -81,22 +81,13 @@ def test_multi_turn_env_against_the_embedded_server(server, tokenizer, render_id
             assert r.metadata["num_turns"] == 2 and r.turns[3].role == "tool"
 
 
-def test_verifiers_env_against_the_embedded_server(server, tokenizer):
-    vf = pytest.importorskip("verifiers.v1")
-    from marin_rl.envs._verifiers import VerifiersEnv
+def test_verifiers_env_against_the_embedded_server(server, tokenizer, verifiers_envs):
+    pytest.importorskip("verifiers.v1")
+    from marin_rl.envs import VerifiersEnv
 
-    class EchoTask(vf.Task):
-        @vf.reward
-        async def nonempty(self, trace) -> float:
-            return float(bool(trace.last_reply))
-
-    class EchoTaskset(vf.Taskset[EchoTask, vf.TasksetConfig]):
-        def load(self):
-            yield EchoTask(vf.TaskData(idx=0, prompt="Say hi."))
-
-    env = VerifiersEnv(EchoTaskset(vf.TasksetConfig())).bind(tokenizer, name="vf-echo")
+    env = VerifiersEnv("marin_vf_sum").bind(tokenizer, name="vf-sum")
     rollouts = _sample(server, env, next(iter(env.problems())), 2, SamplingParams(max_tokens=8))
     _check_structure(rollouts, 2, version=4)
     for r in rollouts:
-        assert [t.role for t in r.turns] == ["user", "assistant"]
-        assert set(r.rewards) == {"nonempty"} and "reward_errors" not in r.metadata
+        assert [t.role for t in r.turns] == ["system", "user", "assistant"]
+        assert set(r.rewards) == {"brief", "correct"} and "reward_errors" not in r.metadata

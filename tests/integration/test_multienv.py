@@ -45,3 +45,20 @@ def test_multienv_config_trains_and_reports_every_env(tmp_path):
         assert sum(r[f"batches/{env}/tokens_used"] for r in steps) > 0, env
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "eval.png").is_file() and (run_dir / "plots" / "token_share.png").is_file()
+
+
+def test_multienv_trains_20_steps_without_a_server_or_worker_error(tmp_path):
+    run_dir = tmp_path / "multi20"
+    config = load_config(
+        "configs/multienv.yaml",
+        [f"--run_dir={run_dir}", "--max_steps=20", "--eval_every=null", "--batcher.total_token_budget=4096", "--batcher.max_wait_s=20"],
+    )
+    assert train(config).final_step == 20
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for record in records:
+        assert record["server/errors"] == 0  # the calculator env's long prompts once exhausted the KV pages
+        assert record["server/pages_in_use"] <= record["server/pages_total"]
+        for env in config.envs:
+            assert record[f"workers/{env.name}/errors"] == 0, (record["step"], env.name)
+    assert records[-1]["server/completed"] > 0

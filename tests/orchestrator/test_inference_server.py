@@ -225,3 +225,28 @@ def test_swap_weights_refuses_another_architecture(server, model_a):
     with pytest.raises(ValueError, match="new weights"):
         server.swap_weights(build_model(wider, len(TOKENIZER), key=jax.random.PRNGKey(0)), version + 1)
     assert server.policy_version == version
+
+
+def test_the_local_sampler_answers_like_the_http_api(server):
+    from marin_rl.envs import OpenAISampler, SamplingParams
+    from marin_rl.orchestrator._faults import classify
+
+    prompt = TOKENIZER.encode("hello", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, max_tokens=12, stop=("e",), seed=5)
+
+    async def both():
+        remote = OpenAISampler.from_url(server.base_url, "policy", server_id="embedded")
+        try:
+            return await server.local_sampler().sample(prompt, 3, params), await remote.sample(prompt, 3, params)
+        finally:
+            await remote.aclose()
+
+    local, http = asyncio.run(both())
+    assert [(c.token_ids.tolist(), c.finish_reason, c.metadata.policy_version) for c in local] == [
+        (c.token_ids.tolist(), c.finish_reason, c.metadata.policy_version) for c in http
+    ]
+    for a, b in zip(local, http):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6)
+    with pytest.raises(Exception) as error:  # a prompt that fills the context: the same 400, never retried
+        asyncio.run(server.local_sampler().sample([5] * SEQ_LEN, 1, params))
+    assert getattr(error.value, "status", None) == 400 and classify(error.value) == "permanent"

@@ -1,0 +1,248 @@
+"""Side by side with TRL's `GRPOTrainer`: the same task, model shape and settings, through both.
+
+The task is the quickstart's (`3+1=` -> `4`, reward 1 when the first character of the completion is
+the sum mod 10, the character tokenizer and its chat template), a randomly initialised Llama of the
+chosen shape, groups of `--group-size` completions of `--prompts` prompts per step, `--max-tokens`
+new tokens, temperature 1, the same learning rate, clip range and gradient clipping, no KL term.
+TRL generates with transformers `generate()` (vLLM cannot be installed on the GPU machine). Each side
+prints seconds per step (median over steady steps), generated and trained tokens/s, peak device
+memory, its reward curve, and the steps and training seconds until the mean reward over 5 steps
+first reaches `--target`.
+
+    python benchmarks/bench_vs_trl.py --size tiny                     # the quickstart on this CPU
+    python benchmarks/bench_vs_trl.py --size 0.5b --max-tokens 64 --prompts 16 --steps 60 --lr 1e-4   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    # hidden, intermediate, layers, heads, kv heads
+    "tiny": (64, 256, 2, 4, 4),
+    "0.5b": (1024, 4096, 24, 16, 16),
+    "1b": (2048, 8192, 16, 32, 8),
+}
+WINDOW = 5
+"""Steps in the moving average of the reward compared with --target."""
+
+
+def time_to_target(rewards: list[float], step_seconds: list[float], target: float) -> tuple[int | None, float | None]:
+    """(steps, training seconds) until the mean reward of the last WINDOW steps first reaches `target`."""
+    for end in range(WINDOW, len(rewards) + 1):
+        if statistics.mean(rewards[end - WINDOW : end]) >= target:
+            return end, sum(step_seconds[:end])
+    return None, None
+
+
+def summary(name: str, rewards: list[float], step_seconds: list[float], generated: list[float], trained: list[float], peak_gib, args) -> dict:
+    steady = slice(min(2, len(step_seconds) - 1), None)  # the first steps compile / warm up
+    median = statistics.median(step_seconds[steady])
+    steps, seconds = time_to_target(rewards, step_seconds, args.target)
+    return {
+        "side": name,
+        "seconds_per_step": median,
+        "generated_tok_s": sum(generated[steady]) / sum(step_seconds[steady]),
+        "trained_tok_s": sum(trained[steady]) / sum(step_seconds[steady]),
+        "peak_gib": peak_gib,
+        "steps_to_target": steps,
+        "seconds_to_target": seconds,
+        "rewards": [round(r, 3) for r in rewards],
+        "step_seconds": [round(s, 4) for s in step_seconds],
+    }
+
+
+# ------------------------------------------------------------------------------------------ marin-rl
+
+
+def run_marin(args) -> dict:
+    import jax
+
+    from marin_rl.config import load_config
+    from marin_rl.orchestrator import train
+
+    hidden, mlp, layers, heads, kv = SIZES[args.size]
+    row = 64 if args.size == "tiny" else 512
+    per_rollout = 8 + args.max_tokens  # the rendered prompt is 7-8 tokens
+    rows = -(-args.prompts * args.group_size * per_rollout // row)
+    run_dir = Path(tempfile.mkdtemp(prefix="vs-trl-marin-")) / "run"
+    overrides = [
+        f"--run_dir={run_dir}",
+        f"--max_steps={args.steps}",
+        f"--seed={args.seed}",
+        f"--model.hidden_dim={hidden}",
+        f"--model.intermediate_dim={mlp}",
+        f"--model.num_layers={layers}",
+        f"--model.num_heads={heads}",
+        f"--model.num_kv_heads={kv}",
+        f"--model.seq_len={row}",
+        f"--batcher.max_seq_len={row}",
+        f"--batcher.total_token_budget={rows * row}",
+        f"--server.max_seq_len={row}",
+        f"--server.max_seqs={min(512, args.prompts * args.group_size)}",
+        f"--learner.optimizer.learning_rate={args.lr}",
+        "--checkpoint_every=1000000",
+        f"--envs.addition.group_size={args.group_size}",
+        f"--envs.addition.replicas={args.prompts}",
+        f"--envs.addition.sampling.max_tokens={args.max_tokens}",
+    ]
+    if jax.default_backend() == "gpu":
+        overrides += ["--model.attn_backend=cudnn", "--server.compute_dtype=bfloat16"]
+    train(load_config(str(Path(__file__).parent.parent / "configs" / "quickstart.yaml"), overrides))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return summary(
+        "marin-rl",
+        [r["batches/addition/reward_mean"] for r in records],  # the batch the step trained on
+        [r["time/step_s"] for r in records],
+        [r.get("replays/addition/new_generated_tokens", 0) for r in records],
+        [r["learner/num_tokens"] for r in records],
+        None if peak is None else peak / 2**30,
+        args,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(args) -> dict:
+    import random
+
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(args.seed)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # no token_type_ids: Llama takes none
+    hidden, mlp, layers, heads, kv = SIZES[args.size]
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=len(tokenizer), max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    gpu = torch.cuda.is_available()
+    model = transformers.LlamaForCausalLM(config)
+    # The quickstart's problems, drawn the same way (a + 1 with a uniform in 0..9), as chat messages.
+    rng = random.Random(args.seed)
+    problems = [rng.randrange(10) for _ in range(args.prompts * args.steps)]
+    data = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"{a}+1="}] for a in problems], "answer": [str((a + 1) % 10) for a in problems]}
+    )
+
+    def correct(completions, answer, **_):
+        return [float(c[0]["content"].strip()[:1] == a) for c, a in zip(completions, answer)]
+
+    log: list[dict] = []
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            log.append({"seconds": time.perf_counter() - self.start})
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "reward" in logs and log:
+                log[-1].update(reward=logs["reward"], completion_length=logs.get("completions/mean_length", args.max_tokens))
+
+    completions = args.prompts * args.group_size
+    grpo = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs-trl-"),
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        per_device_train_batch_size=completions,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        bf16=gpu,
+        use_cpu=not gpu,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=correct, args=grpo, train_dataset=data, processing_class=tokenizer, callbacks=[Timer()])
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    prompt_len = len(tokenizer.apply_chat_template([{"role": "user", "content": "3+1="}], add_generation_prompt=True))
+    generated = [completions * e.get("completion_length", args.max_tokens) for e in log]
+    return summary(
+        f"TRL {__import__('trl').__version__} (transformers {transformers.__version__} generate)",
+        [e.get("reward", 0.0) for e in log],
+        [e["seconds"] for e in log],
+        generated,
+        [g + completions * prompt_len for g in generated],
+        torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        args,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--prompts", type=int, default=20, help="prompts (groups) per step")
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--target", type=float, default=0.8, help="mean reward over 5 steps to reach")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--side", choices=["both", "marin", "trl"], default="both")
+    parser.add_argument("--trl-python", default=sys.executable, help="interpreter with torch, transformers and trl")
+    parser.add_argument("--tokenizer", default=str(Path(__file__).parent.parent / "marin_rl" / "assets" / "char_tokenizer"))
+    parser.add_argument("--json", default=None, help="also write both results here")
+    args = parser.parse_args()
+
+    if args.side == "trl":
+        print("RESULT " + json.dumps(run_trl(args)), flush=True)
+        return
+    results = []
+    if args.side in ("both", "marin"):
+        results.append(run_marin(args))
+    if args.side == "both":  # its own process: its own threads, and on a GPU its own CUDA context
+        command = [args.trl_python, __file__, "--side=trl", *[a for a in sys.argv[1:] if not a.startswith("--side")]]
+        env = {**os.environ, **({"PYTHONPATH": os.environ["TRL_PYTHONPATH"]} if "TRL_PYTHONPATH" in os.environ else {})}
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            print(out.stdout[-3000:], out.stderr[-5000:])
+            raise SystemExit(f"the TRL side failed (exit {out.returncode})")
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+
+    print(f"\n{args.size} model, {args.prompts} prompts x {args.group_size} completions of {args.max_tokens} tokens, lr {args.lr}")
+    for r in results:
+        reached = f"step {r['steps_to_target']}, {r['seconds_to_target']:.1f} s" if r["steps_to_target"] else "not reached"
+        peak = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] else ""
+        print(
+            f"{r['side']}: {r['seconds_per_step']:.3f} s/step, {r['generated_tok_s']:,.0f} generated tok/s, "
+            f"{r['trained_tok_s']:,.0f} trained tok/s{peak}; mean reward {args.target} over {WINDOW} steps: {reached}"
+        )
+        print(f"  rewards: {r['rewards']}")
+    if len(results) == 2:
+        print(f"marin-rl is {results[1]['seconds_per_step'] / results[0]['seconds_per_step']:.1f}x faster per step")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""A verifiers taskset trains on CPU: the quickstart's model and task, defined as a verifiers taskset."""
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marin_rl.config import load_config
+from marin_rl.orchestrator import train
+
+pytest.importorskip("verifiers.v1")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("verifiers_envs")]
+
+STEPS = 30
+
+
+def test_reward_of_a_verifiers_taskset_rises(tmp_path):
+    raw = yaml.safe_load(Path("configs/quickstart.yaml").read_text())
+    raw["envs"] = [
+        {
+            "name": "vf-addition",
+            "type": "verifiers",
+            "args": {"taskset": "marin_vf_addition"},  # tests/verifiers_envs/marin_vf_addition.py
+            "replicas": 8,
+            "group_size": 16,
+            "sampling": {"temperature": 1.0, "max_tokens": 1},
+            "algorithm": {"type": "rloo"},
+            "buffer": {"max_age": 1},
+        }
+    ]
+    path = tmp_path / "vf.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(path, [f"--run_dir={tmp_path / 'run'}", f"--max_steps={STEPS}", "--checkpoint_every=100"])
+    result = train(config)
+    assert result.final_step == STEPS
+
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["replays/vf-addition/reward/mean"] for r in records if "replays/vf-addition/reward/mean" in r]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert last > first + 0.25  # chance is about 0.01; observed: 0.06 -> 0.42..0.71 over runs
+    assert all(r.get("workers/vf-addition/errors", 0) == 0 for r in records)
+    # A connection or server the run left open is reported here (warnings are errors), not in a later test.
+    gc.collect()
