@@ -57,8 +57,8 @@ class RayConfig:
     """Server actor i listens on port `server_port + i` of its node, also after Ray restarts it, so env
     workers reach it at the same address."""
     num_env_workers: int = 1
-    """Env-worker actors. Each runs every env's workers; env `replicas` are split among them and each
-    draws its own share of every env's problem stream (positions i, i + num_env_workers, ...)."""
+    """Env-worker actors. Each runs every env with ceil(`replicas` / num_env_workers) workers and draws
+    its own share of every env's problem stream (positions i, i + num_env_workers, ...)."""
     env_worker_num_cpus: float = 1.0
     """CPUs each env-worker actor asks Ray for."""
     weight_transfer: str = "object_store"
