@@ -82,6 +82,7 @@ def loop_overrides(args, run_dir: Path) -> list[str]:
         f"--server.max_seq_len={seq_len}",
         f"--server.max_seqs={args.max_seqs}",
         "--checkpoint_every=1000000",
+        "--server.precompile_prompt_lens=[16]",  # every prefill and decode shape compiled before step 1
         "--learner.optimizer.learning_rate=1e-5",
         f"--envs.addition.group_size={args.group_size}",
         f"--envs.addition.replicas={args.replicas}",

@@ -90,6 +90,7 @@ def run_marin(args) -> dict:
         f"--server.max_seqs={min(512, args.prompts * args.group_size)}",
         f"--learner.optimizer.learning_rate={args.lr}",
         "--checkpoint_every=1000000",
+        "--server.precompile_prompt_lens=[16]",  # compile every engine shape before step 1, as TRL has none
         f"--envs.addition.group_size={args.group_size}",
         f"--envs.addition.replicas={args.prompts}",
         f"--envs.addition.sampling.max_tokens={args.max_tokens}",

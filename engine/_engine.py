@@ -26,7 +26,7 @@ from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
 from marin_rl.engine._request import GenerationJob, PromptScores
-from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Scheduler, bucket, complete
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Scheduler, bucket, complete, rows_bucket
 from marin_rl.engine._weights import ServingWeights, check_same_architecture, serving_weights
 
 logger = logging.getLogger(__name__)
@@ -141,11 +141,11 @@ class Engine:
         config, shapes = self.config, 0
         for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
             rows = 1
-            while rows <= bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
+            while rows <= rows_bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
                 batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in self.scheduler.empty_batch(rows, time_bucket).items()})
                 with self._lock:
                     self._cache, self._state, *_ = self._prefill(self._weights, self._cache, self._state, batch, self.kernels)
-                rows, shapes = 2 * rows, shapes + 1
+                rows, shapes = 4 * rows, shapes + 1
         slots = MIN_DECODE_SLOTS
         while True:
             slots_used = min(slots, config.max_seqs)
@@ -299,9 +299,8 @@ class Engine:
             self.stats.generated_tokens += len(admission.new_slots)
             self._complete(scheduler.record_first(admission, tokens, logprobs, finished))
         if scheduler.num_active:
-            # Powers of two (few compiles): no more steps than any active sample may still need, and
-            # only the slots up to the highest one in use.
-            steps = min(self.config.decode_steps, bucket(scheduler.remaining_tokens()))
+            # Only the slots up to the highest one in use (a power of two: few shapes, each compiled once).
+            steps = self.config.decode_steps
             slots_used = min(self.config.max_seqs, bucket(scheduler.highest_slot() + 1, MIN_DECODE_SLOTS))
             start = time.perf_counter()
             with self._lock:

@@ -30,6 +30,15 @@ def bucket(size: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, size - 1).bit_length())
 
 
+def rows_bucket(prompts: int) -> int:
+    """Prefill rows for `prompts` prompts: a power of four (1, 4, 16, ...), so that the number of
+    admitted prompts, which varies at every turn, compiles few shapes."""
+    rows = 1
+    while rows < prompts:
+        rows *= 4
+    return rows
+
+
 @dataclass
 class RunningJob:
     job: GenerationJob
@@ -90,15 +99,6 @@ class Scheduler:
         """The highest slot index in use (-1 when none)."""
         return max((i for i, s in enumerate(self.slots) if s is not None), default=-1)
 
-    def remaining_tokens(self) -> int:
-        """The most tokens any active sample may still produce."""
-        most = 0
-        for entry in self.slots:
-            if entry is not None:
-                running, i = entry
-                most = max(most, running.job.max_tokens - len(running.tokens[i]))
-        return most
-
     # -------------------------------------------------------------------------------------- admission
 
     def admit(self, policy_version: int, score) -> Admission | None:
@@ -118,7 +118,7 @@ class Scheduler:
             shared, own = self.pages_needed(job)
             if job.n > len(free_slots) - sum(j.n for j in chosen) or shared + job.n * own > free_pages:
                 break
-            rows, time = bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
+            rows, time = rows_bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
             if chosen and rows * time > config.prefill_tokens:
                 break
             self.queue.popleft()
@@ -152,7 +152,7 @@ class Scheduler:
 
     def _build(self, chosen: list[GenerationJob], free_slots: list[int], policy_version: int, score) -> Admission:
         config, size = self.config, self.config.page_size
-        rows, time = bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
+        rows, time = rows_bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
         a = self.empty_batch(rows, time)
         admitted, new_slots, copies = [], [], 0
         slot_iter = iter(free_slots)

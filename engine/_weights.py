@@ -48,9 +48,14 @@ def _layer_modules(model) -> tuple:
     return tuple(layers.unstacked()) if hasattr(layers, "unstacked") else tuple(layers.blocks)
 
 
+def _attention_config(model):
+    layers = model.transformer.layers
+    return (layers.stacked if hasattr(layers, "stacked") else layers.blocks[0]).self_attn.config
+
+
 def check_supported(model) -> None:
     """Raise ValueError for models the engine's forward pass does not reproduce exactly."""
-    config = _layer_modules(model)[0].self_attn.config
+    config = _attention_config(model)  # (reading the config, not unstacking the layers: this runs every swap)
     if config.logits_soft_cap is not None:
         raise ValueError("the generation engine does not support attention logits_soft_cap")
     if getattr(model.config, "sliding_window", None) is not None and getattr(model.config, "use_sliding_window", False):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,12 +56,23 @@ def render(
     """The chat template's token ids for `messages` (and `tools`, OpenAI function schemas)."""
     if not messages and not add_generation_prompt:
         return []  # many templates index messages[0]
-    ids = tokenizer.apply_chat_template(
-        list(messages),
-        tools=list(tools) if tools else None,
-        tokenize=True,
-        add_generation_prompt=add_generation_prompt,
-    )
+    try:
+        key = json.dumps([list(messages), list(tools) if tools else None])  # key order kept: templates show it
+    except TypeError:  # not plain JSON (rare): render without the cache
+        return _apply_template(tokenizer, list(messages), list(tools) if tools else None, add_generation_prompt)
+    return list(_render_cached(tokenizer, key, add_generation_prompt))
+
+
+@functools.lru_cache(maxsize=4096)
+def _render_cached(tokenizer: Any, key: str, add_generation_prompt: bool) -> tuple[int, ...]:
+    # Templates are slow (Jinja, then the tokenizer), and the same prompts recur: every group of a
+    # problem, every epoch over a dataset.
+    messages, tools = json.loads(key)
+    return tuple(_apply_template(tokenizer, messages, tools, add_generation_prompt))
+
+
+def _apply_template(tokenizer: Any, messages: list, tools: list | None, add_generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt)
     return [int(t) for t in ids]
 
 

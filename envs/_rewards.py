@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import math
 import queue
@@ -68,9 +69,9 @@ async def score(
 ) -> Scores:
     """Run every reward function concurrently (sync ones on `threads`); `functions` maps name -> (function, weight)."""
     names = list(functions)
-    outcomes = await asyncio.gather(
-        *(_run_one(fn, available, timeout_s, metrics, threads) for fn, _ in functions.values())
-    )
+    runs = [_run_one(fn, available, timeout_s, metrics, threads) for fn, _ in functions.values()]
+    # One function (the common case) needs no task of its own: this runs once per rollout.
+    outcomes = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
     rewards, errors = {}, {}
     for name, (value, error) in zip(names, outcomes):
         rewards[name] = value
@@ -83,7 +84,7 @@ async def score(
 async def _run_one(
     fn: Callable[..., Any], available: Mapping[str, Any], timeout_s: float, metrics: EnvMetrics, threads: VerifierThreads
 ) -> tuple[float, str | None]:
-    kwargs = {p: available[p] for p in inspect.signature(fn).parameters if p in available}
+    kwargs = {p: available[p] for p in _parameters(fn) if p in available}
     call = None
     try:
         if inspect.iscoroutinefunction(fn):
@@ -106,6 +107,12 @@ async def _run_one(
         metrics.increment("reward_errors")
         return 0.0, f"returned {value!r}, expected a finite number"
     return checked, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    # inspect.signature is slow, and this runs for every rollout; bound methods hash by (self, function).
+    return tuple(inspect.signature(fn).parameters)
 
 
 class RewardRaised(Exception):

@@ -8,6 +8,7 @@ ignore dot files.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -98,9 +99,23 @@ def _turn_row(turn: Turn) -> dict[str, Any]:
         "policy_version": meta.policy_version if meta else None,
         "finish_reason": meta.finish_reason if meta else None,
         "latency_s": meta.latency_s if meta else None,
-        "sampling_params_json": json.dumps(meta.sampling_params, sort_keys=True) if meta else None,
+        "sampling_params_json": _params_json(meta.sampling_params) if meta else None,
         "teacher_logprobs": turn.teacher_logprobs,
     }
+
+
+@functools.lru_cache(maxsize=256)
+def _params_json_cached(items: tuple) -> str:
+    return json.dumps(dict(items), sort_keys=True)
+
+
+def _params_json(params: dict) -> str:
+    # The same few sampling settings recur in every turn of every rollout: encode each once (lists as
+    # tuples, which JSON encodes alike, so that they can be a cache key).
+    try:
+        return _params_json_cached(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())))
+    except TypeError:  # another unhashable value: encode it directly
+        return json.dumps(params, sort_keys=True)
 
 
 def rollouts_to_table(rollouts: list[Rollout], written_at: float | None = None) -> pa.Table:
