@@ -28,7 +28,7 @@ SIZES = {
 }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=4, help="learner steps (the first --warmup-steps are left out of the figures)")
@@ -44,17 +44,29 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 dense bf16)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures (compilation)")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the figures of an earlier run dir")
-    args = parser.parse_args()
+    parser.add_argument("--override", action="append", default=[], help="a further config override (--override=--runtime=ray)")
+    return parser
 
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.summarize:
         summarize(args.summarize, args, wall=None)
         return
     from marin_rl.config import load_config
     from marin_rl.orchestrator import train
 
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    config = load_config("configs/quickstart.yaml", loop_overrides(args, run_dir))
+    started = time.perf_counter()
+    train(config)
+    summarize(run_dir, args, wall=time.perf_counter() - started)
+
+
+def loop_overrides(args, run_dir: Path) -> list[str]:
+    """The quickstart's config turned into the benchmark's (`args` from `build_parser`)."""
     hidden, mlp, layers, heads, kv = SIZES[args.size]
     seq_len = 512
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-loop-"))
     overrides = [
         f"--run_dir={run_dir}",
         f"--max_steps={args.steps}",
@@ -83,10 +95,7 @@ def main() -> None:
     overrides.append(f"--model.attn_backend={args.attn_backend}")
     if args.server_dtype:
         overrides.append(f"--server.compute_dtype={args.server_dtype}")
-    config = load_config("configs/quickstart.yaml", overrides)
-    started = time.perf_counter()
-    train(config)
-    summarize(run_dir, args, wall=time.perf_counter() - started)
+    return overrides + args.override
 
 
 def summarize(run_dir: Path, args, wall: float | None) -> None:
@@ -105,11 +114,13 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
     print(f"learner tokens/s (packed tokens / step time): {np.median([r['learner/tokens_per_s'] for r in steady]):,.0f}")
     tflops = np.median([r["learner/model_tflops_per_s"] for r in steady])
     print(f"learner MFU (6N, peak {args.peak_tflops:.0f} TFLOP/s): {tflops / args.peak_tflops:.1%} ({tflops:.0f} TFLOP/s)")
-    swap = {part: np.median([r[f"broadcast/swap_{part}seconds"] for r in steady]) for part in ("", "copy_", "wait_")}
-    print(
-        f"weight swap seconds (colocated, in place): {swap['']:.3f} = copy {swap['copy_']:.3f} "
-        f"+ install {swap['wait_']:.3f}"
-    )
+    if "broadcast/swap_seconds" in steady[0]:  # in-process engines (colocated, or on their own devices)
+        swap = {part: np.median([r[f"broadcast/swap_{part}seconds"] for r in steady]) for part in ("", "copy_", "wait_")}
+        print(
+            f"weight swap seconds (in-process engines): {swap['']:.3f} = copy {swap['copy_']:.3f} "
+            f"+ install {swap['wait_']:.3f}"
+        )
+    print(f"broadcast seconds (every server confirmed): {np.median([r['broadcast/seconds'] for r in steady]):.3f}")
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")
     print(f"packing efficiency: {np.mean([r['batch/packing_efficiency'] for r in steady]):.3f}")

@@ -1,13 +1,24 @@
 """Weight broadcasting from the learner to the inference servers (design.md section 6)."""
 
 from marin_rl.broadcaster._broadcaster import Broadcaster, BroadcasterConfig
-from marin_rl.broadcaster._transport import ColocatedTransport, RemoteTransport, WeightTransport, WeightUpdateRefused
+from marin_rl.broadcaster._transport import (
+    CheckpointExports,
+    ColocatedTransport,
+    ReconnectingTransport,
+    RemoteTransport,
+    Unreachable,
+    WeightTransport,
+    WeightUpdateRefused,
+)
 
 __all__ = [
     "Broadcaster",
     "BroadcasterConfig",
+    "CheckpointExports",
     "ColocatedTransport",
+    "ReconnectingTransport",
     "RemoteTransport",
+    "Unreachable",
     "WeightTransport",
     "WeightUpdateRefused",
 ]

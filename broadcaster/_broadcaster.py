@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from marin_rl.broadcaster._transport import ColocatedTransport, RemoteTransport, WeightTransport
+from marin_rl.broadcaster._transport import ColocatedTransport, ReconnectingTransport, RemoteTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ class BroadcasterConfig:
         if self.every_k_steps < 1:
             raise ValueError(f"BroadcasterConfig.every_k_steps must be >= 1, got {self.every_k_steps}")
 
-    def build(self, *, colocated=None, tokenizer=None, run_dir: str | None = None) -> Broadcaster:
-        """Transports for the colocated `PolicyServer` (if any) and each remote server."""
-        transports: list[WeightTransport] = [] if colocated is None else [ColocatedTransport(colocated)]
+    def build(self, *, colocated=(), tokenizer=None, run_dir: str | None = None, extra=()) -> Broadcaster:
+        """Transports for the in-process `PolicyServer`s (`colocated`: one, or a sequence), each remote
+        server, and the `extra` transports given (a Ray runtime's server actors)."""
+        servers = colocated if isinstance(colocated, (list, tuple)) else [] if colocated is None else [colocated]
+        transports: list[WeightTransport] = [ColocatedTransport(server) for server in servers]
         if self.remote_servers:
             export_dir = self.export_dir or (os.path.join(run_dir, "hf") if run_dir else None)
             if export_dir is None or tokenizer is None:
@@ -55,10 +57,11 @@ class BroadcasterConfig:
                     keep_exports=self.keep_exports,
                     export_dtype=self.export_dtype,
                     max_backoff_s=self.reconnect_max_backoff_s,
+                    server_id=f"remote{i}",
                 )
-                for url in self.remote_servers
+                for i, url in enumerate(self.remote_servers)
             ]
-        return Broadcaster(transports, every_k_steps=self.every_k_steps)
+        return Broadcaster(transports + list(extra), every_k_steps=self.every_k_steps)
 
 
 class Broadcaster:
@@ -96,6 +99,7 @@ class Broadcaster:
             metrics[f"broadcast/server{i}_seconds"] = time.perf_counter() - t
         metrics["broadcast/seconds"] = time.perf_counter() - start
         metrics["broadcast/servers_down"] = float(sum(not t.ready for t in self.transports))
+        metrics["broadcast/reconnects"] = float(sum(t.reconnects for t in self.transports if isinstance(t, ReconnectingTransport)))
         metrics["broadcast/version"] = float(policy_version)
         logger.info("broadcast policy version %d to %d server(s) in %.2fs", policy_version, len(self.transports), metrics["broadcast/seconds"])
         return metrics

@@ -4,6 +4,8 @@
 - `RemoteTransport`: a `marin-rl serve` process (or any server with the same endpoint) elsewhere; the
   weights go through an HF safetensors checkpoint on a shared filesystem plus a call to its
   token-protected POST /v1/weights/update (docs/serving.md).
+- `ReconnectingTransport`: what every server in another process shares (a Ray server actor too):
+  confirmation of each version, and a watcher that brings a server back after it died.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class WeightUpdateRefused(PermanentError):
     checkpoint (400). Retrying cannot help."""
 
 
-class _Unreachable(Exception):
+class Unreachable(Exception):
     """The server did not answer (refused, reset, timed out): down or restarting."""
 
 
@@ -88,51 +90,37 @@ class ColocatedTransport(WeightTransport):
         return "colocated"
 
 
-class RemoteTransport(WeightTransport):
-    """Export an HF checkpoint (once per version) and ask a remote server to load it.
+class ReconnectingTransport(WeightTransport):
+    """A server in another process that may die and come back: delivery, confirmation, and a watcher.
 
-    `export_dir` must be readable by the server at the same path. Checkpoints are written to
-    `export_dir/policy-{version:08d}/` (temp dir, then rename) with the learner's `save_hf_model`, so
-    transports that share `export_dir` write each version once; all but the newest `keep_exports` are
-    deleted after each push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
+    Subclasses say how a version is made available (`_export`, `_prune`), how the server is asked to
+    load it (`_request_update`) and how it reports what it serves (`_probe`).
 
-    A server may die and come back. A push to a server that does not answer marks it down instead of
-    failing the run; a watcher thread probes it every `probe_interval_s` (backing off to
-    `max_backoff_s` while it stays away), notices a restart (another `instance` or version than the
-    one confirmed), and pushes the newest version, with `reset` so that any version the restarted
-    process reports is replaced. `sampling_window()` tells env workers whether the server may be
-    sampled from: only once it confirmed weights of this run.
+    A push to a server that does not answer marks it down instead of failing the run; a watcher thread
+    probes it every `probe_interval_s` (backing off to `max_backoff_s` while it stays away), notices a
+    restart (another `instance` or version than the one confirmed), and pushes the newest version, with
+    `reset` so that any version the restarted process reports is replaced. `sampling_window()` tells env
+    workers whether the server may be sampled from: only once it confirmed weights of this run.
     """
 
     def __init__(
         self,
         base_url: str,
-        token: str | None,
-        export_dir: str,
         *,
-        tokenizer,
+        server_id: str | None = None,
         timeout_s: float = 600.0,
-        keep_exports: int = 2,
-        export_dtype: str | None = None,
         probe_interval_s: float = 1.0,
         max_backoff_s: float = 30.0,
     ):
         self.base_url = base_url.rstrip("/")
-        self._token = token or os.environ.get(WEIGHT_TOKEN_ENV)
-        if not self._token:
-            raise ValueError(f"RemoteTransport({base_url}): no token given and {WEIGHT_TOKEN_ENV} is not set")
-        if keep_exports < 1:
-            raise ValueError(f"RemoteTransport.keep_exports must be >= 1, got {keep_exports}")
-        self.export_dir = os.path.abspath(export_dir)
-        self._tokenizer = tokenizer
+        self.server_id = server_id or self.base_url
+        """The server's name in rollouts' metadata and metrics."""
         self._timeout_s = timeout_s
-        self._keep_exports = keep_exports
-        self._export_dtype = export_dtype
         self._probe_interval_s = probe_interval_s
         self._max_backoff_s = max_backoff_s
         self._delivering = threading.Lock()  # one delivery at a time, pushes and the watcher's
         self._state = threading.Lock()
-        self._latest: tuple[int, str] | None = None  # the newest exported version and its path
+        self._latest: tuple[int, object] | None = None  # the newest exported version and its payload
         self._confirmed: int | None = None  # what the server confirmed serving; None: not synced
         self._down = False  # it stopped answering or restarted: only the watcher delivers until it is back
         self._instance: str | None = None  # the server process that confirmed it
@@ -141,6 +129,26 @@ class RemoteTransport(WeightTransport):
         self._watcher: threading.Thread | None = None
         self.reconnects = 0
         """Times the server was brought back (pushed the newest weights) after being down or restarted."""
+
+    # ---- what subclasses provide ----
+
+    @abc.abstractmethod
+    def _export(self, model, policy_version: int):
+        """Make `model` available to the server as `policy_version`; returns what `_request_update` sends."""
+
+    def _prune(self, policy_version: int) -> None:
+        """Drop exports older than the ones still needed, once `policy_version` was pushed."""
+
+    @abc.abstractmethod
+    def _request_update(self, payload, policy_version: int, *, reset: bool) -> None:
+        """Ask the server to serve `payload` as `policy_version`. Raises `WeightUpdateRefused` when it refuses,
+        `Unreachable` when it does not answer; returning means it accepted (or is still loading)."""
+
+    @abc.abstractmethod
+    def _probe(self) -> tuple[int, str | None]:
+        """(policy version served, instance id of the server process); raises `Unreachable`."""
+
+    # ---- the transport ----
 
     @property
     def name(self) -> str:
@@ -151,24 +159,21 @@ class RemoteTransport(WeightTransport):
         """The server confirmed weights of this run and has not failed since."""
         return self.sampling_window() is not None
 
-    def export_path(self, policy_version: int) -> str:
-        return os.path.join(self.export_dir, f"policy-{policy_version:08d}")
-
     def push(self, model, policy_version: int, *, reset: bool = False) -> None:
         """Export `policy_version` and deliver it; a server that does not answer is marked down and
         brought back by the watcher. `reset` lets the version go back (a resumed run). Raises
         `WeightUpdateRefused` when the server refuses."""
         if self._failure is not None:
             raise self._failure
-        path = self._export(model, policy_version)
+        payload = self._export(model, policy_version)
         with self._state:
-            self._latest = (policy_version, path)
+            self._latest = (policy_version, payload)
         self._start_watcher()
         with self._delivering:  # the prune too: the watcher may be delivering an export
             if not self._down:
                 try:
-                    self._deliver(policy_version, path, reset=reset)
-                except _Unreachable as e:
+                    self._deliver(policy_version, payload, reset=reset)
+                except Unreachable as e:
                     self._mark_down(f"push of version {policy_version}: {e}")
             self._prune(policy_version)
 
@@ -197,43 +202,22 @@ class RemoteTransport(WeightTransport):
 
     # ---- delivery ----
 
-    def _deliver(self, policy_version: int, path: str, *, reset: bool) -> None:
-        """POST the update and wait for the version; caller holds `_delivering`."""
+    def _deliver(self, policy_version: int, payload, *, reset: bool) -> None:
+        """Request the update and wait for the version; caller holds `_delivering`."""
         deadline = time.monotonic() + self._timeout_s
-        try:
-            response = httpx.post(
-                f"{self.base_url}/weights/update",
-                json={"path": path, "policy_version": policy_version, "reset": reset},
-                headers={"Authorization": f"Bearer {self._token}"},
-                timeout=self._timeout_s,
-            )
-        except httpx.TimeoutException:
-            response = None  # the server may still be loading: fall through to polling the version
-        except httpx.TransportError as e:
-            raise _Unreachable(f"{type(e).__name__}: {e}") from e
-        if response is not None and response.status_code != 200:
-            raise WeightUpdateRefused(
-                f"{self.base_url} refused policy version {policy_version} from {path} "
-                f"({response.status_code}): {_error_message(response)}"
-            )
+        self._request_update(payload, policy_version, reset=reset)
         while True:
             try:
                 version, instance = self._probe()
-            except httpx.HTTPError as e:
-                version, instance = f"unreachable ({type(e).__name__})", None
+            except Unreachable as e:
+                version, instance = f"unreachable ({e})", None
             if version == policy_version:
                 break
             if time.monotonic() > deadline:
-                raise _Unreachable(f"did not confirm policy version {policy_version} within {self._timeout_s} s (it reports {version})")
+                raise Unreachable(f"did not confirm policy version {policy_version} within {self._timeout_s} s (it reports {version})")
             time.sleep(0.5)
         with self._state:
             self._confirmed, self._instance, self._down = policy_version, instance, False
-
-    def _probe(self) -> tuple[int, str | None]:
-        response = httpx.get(f"{self.base_url}/weights/version", timeout=min(30.0, self._timeout_s))
-        response.raise_for_status()
-        body = response.json()
-        return int(body["policy_version"]), body.get("instance")
 
     def _mark_down(self, why: str) -> None:
         with self._state:
@@ -255,7 +239,7 @@ class RemoteTransport(WeightTransport):
                 with self._delivering:
                     self._check_and_resync()
                 delay = self._probe_interval_s
-            except _Unreachable as e:
+            except Unreachable as e:
                 self._mark_down(str(e))
                 delay = min(2 * delay, self._max_backoff_s)
             except WeightUpdateRefused as e:
@@ -263,10 +247,7 @@ class RemoteTransport(WeightTransport):
                 return
 
     def _check_and_resync(self) -> None:
-        try:
-            version, instance = self._probe()
-        except httpx.HTTPError as e:
-            raise _Unreachable(f"{type(e).__name__}: {e}") from e
+        version, instance = self._probe()
         with self._state:
             in_sync = not self._down and self._confirmed == version and self._instance == instance
             latest = self._latest
@@ -278,27 +259,111 @@ class RemoteTransport(WeightTransport):
         self.reconnects += 1
         logger.warning("%s is back, serving policy version %d", self.base_url, latest[0])
 
-    # ---- exports ----
+
+class RemoteTransport(ReconnectingTransport):
+    """Export an HF checkpoint (once per version) and ask a remote server to load it over HTTP.
+
+    `export_dir` must be readable by the server at the same path. Checkpoints are written to
+    `export_dir/policy-{version:08d}/` (temp dir, then rename) with the learner's `save_hf_model`, so
+    transports that share `export_dir` write each version once; all but the newest `keep_exports` are
+    deleted after each push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
+    Deaths and restarts of the server are handled as `ReconnectingTransport` says.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        export_dir: str,
+        *,
+        tokenizer,
+        timeout_s: float = 600.0,
+        keep_exports: int = 2,
+        export_dtype: str | None = None,
+        probe_interval_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        server_id: str | None = None,
+    ):
+        super().__init__(
+            base_url, server_id=server_id, timeout_s=timeout_s, probe_interval_s=probe_interval_s, max_backoff_s=max_backoff_s
+        )
+        self._token = token or os.environ.get(WEIGHT_TOKEN_ENV)
+        if not self._token:
+            raise ValueError(f"RemoteTransport({base_url}): no token given and {WEIGHT_TOKEN_ENV} is not set")
+        self._exports = CheckpointExports(export_dir, tokenizer, export_dtype=export_dtype, keep=keep_exports)
+        self.export_dir = self._exports.directory
+
+    def export_path(self, policy_version: int) -> str:
+        return self._exports.path(policy_version)
 
     def _export(self, model, policy_version: int) -> str:
+        return self._exports.export(model, policy_version)
+
+    def _prune(self, policy_version: int) -> None:
+        self._exports.prune(policy_version)
+
+    def _request_update(self, payload: str, policy_version: int, *, reset: bool) -> None:
+        try:
+            response = httpx.post(
+                f"{self.base_url}/weights/update",
+                json={"path": payload, "policy_version": policy_version, "reset": reset},
+                headers={"Authorization": f"Bearer {self._token}"},
+                timeout=self._timeout_s,
+            )
+        except httpx.TimeoutException:
+            return  # the server may still be loading: the caller polls the version
+        except httpx.TransportError as e:
+            raise Unreachable(f"{type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise WeightUpdateRefused(
+                f"{self.base_url} refused policy version {policy_version} from {payload} "
+                f"({response.status_code}): {_error_message(response)}"
+            )
+
+    def _probe(self) -> tuple[int, str | None]:
+        try:
+            response = httpx.get(f"{self.base_url}/weights/version", timeout=min(30.0, self._timeout_s))
+            response.raise_for_status()
+        except httpx.HTTPError as e:
+            raise Unreachable(f"{type(e).__name__}: {e}") from e
+        body = response.json()
+        return int(body["policy_version"]), body.get("instance")
+
+
+class CheckpointExports:
+    """HF checkpoints of each pushed version under `directory/policy-{version:08d}/`, written once per
+    version (atomically, so several transports can share the directory); the newest `keep` survive."""
+
+    def __init__(self, directory: str, tokenizer, *, export_dtype: str | None = None, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"RemoteTransport.keep_exports must be >= 1, got {keep}")
+        self.directory = os.path.abspath(directory)
+        self._tokenizer = tokenizer
+        self._dtype = export_dtype
+        self._keep = keep
+
+    def path(self, policy_version: int) -> str:
+        return os.path.join(self.directory, f"policy-{policy_version:08d}")
+
+    def export(self, model, policy_version: int) -> str:
         import jax.numpy as jnp
 
         from marin_rl.learner import save_hf_model
 
-        path = self.export_path(policy_version)
+        path = self.path(policy_version)
         if os.path.isdir(path):  # another transport already wrote this version (written atomically)
             return path
         start = time.perf_counter()
-        dtype = None if self._export_dtype is None else jnp.dtype(self._export_dtype)
+        dtype = None if self._dtype is None else jnp.dtype(self._dtype)
         save_hf_model(model, self._tokenizer, path, dtype=dtype)
         logger.info("exported policy version %d to %s in %.2fs", policy_version, path, time.perf_counter() - start)
         return path
 
-    def _prune(self, policy_version: int) -> None:
-        names = sorted(n for n in os.listdir(self.export_dir) if n.startswith("policy-"))
-        stale = [n for n in names if int(n.removeprefix("policy-")) <= policy_version][: -self._keep_exports]
+    def prune(self, policy_version: int) -> None:
+        names = sorted(n for n in os.listdir(self.directory) if n.startswith("policy-"))
+        stale = [n for n in names if int(n.removeprefix("policy-")) <= policy_version][: -self._keep]
         for name in stale:
-            shutil.rmtree(os.path.join(self.export_dir, name), ignore_errors=True)
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
 
 def _error_message(response: httpx.Response) -> str:

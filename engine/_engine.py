@@ -61,17 +61,28 @@ class Engine:
     `device_lock`, when given, is held around every device call (and until its results are back): a
     learner training on the same GPU holds it around its steps, so the two never run kernels at once
     (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
+
+    `device`: where the weights and the KV cache live, so every compiled call runs there (None: JAX's
+    default device). Weights handed over from another device are copied device to device.
     """
 
-    def __init__(self, config: EngineConfig, model, policy_version: int = 0, *, device_lock: contextlib.AbstractContextManager | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model,
+        policy_version: int = 0,
+        *,
+        device_lock: contextlib.AbstractContextManager | None = None,
+        device: jax.Device | None = None,
+    ):
         if config.max_seq_len > model.Pos.size:
             raise ValueError(
                 f"max_seq_len={config.max_seq_len} exceeds the model's context length {model.Pos.size} (its config's seq_len)"
             )
         self.config = config
+        self.device = device
         self._lock = device_lock or contextlib.nullcontext()
-        with self._lock:
-            self._weights = serving_weights(model, config.compute_dtype)
+        self._weights = self.prepare(model, check=False)
         attention = self._weights.attention_config
         self.kernels = choose_kernels(config.attention, self._weights.dtype)
         self.cache_spec = plan_kv_cache(
@@ -80,6 +91,7 @@ class Engine:
             kv_heads=attention.num_kv_heads,
             head_dim=attention.head_size,
             dtype=self._weights.dtype,
+            device=device,
         )
         self.table_width = self.kernels.table_width(config.pages_per_seq)
         self._top_k = max(1, min(config.max_logprobs, self._weights.Vocab.size))
@@ -110,14 +122,22 @@ class Engine:
             self.kernels.prefill,
         )
 
+    def _on_device(self):
+        """Arrays made inside this context (KV cache, slot state, host inputs) go to the engine's device."""
+        return contextlib.nullcontext() if self.device is None else jax.default_device(self.device)
+
     def _reset_device_state(self) -> None:
         """A fresh KV cache and empty slots (after a failed device call its donated buffers may be gone)."""
-        with self._lock:
+        with self._lock, self._on_device():
             self._cache = KvCache.zeros(self.cache_spec)
             self._state = SlotState.empty(self.config.max_seqs, self.table_width, self.config.max_stop_sequences, self.config.max_stop_tokens)
 
     def _precompile(self, prompt_lens) -> None:
         """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""
+        with self._on_device():
+            self._compile_shapes(prompt_lens)
+
+    def _compile_shapes(self, prompt_lens) -> None:
         start = time.perf_counter()
         config, shapes = self.config, 0
         for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
@@ -189,11 +209,15 @@ class Engine:
         Requests admitted after this returns use only the new weights (or newer)."""
         self.install(self.prepare(model), policy_version, wait)
 
-    def prepare(self, model) -> ServingWeights:
-        """The engine's own copy of `model`'s weights; ValueError unless it has the served architecture."""
+    def prepare(self, model, *, check: bool = True) -> ServingWeights:
+        """The engine's own copy of `model`'s weights, on its device; ValueError unless it has the served
+        architecture (`check`)."""
         with self._lock:
             weights = serving_weights(model, self.config.compute_dtype)
-        check_same_architecture(self._weights, weights)
+        if self.device is not None:  # cast where the model lives, then one copy device to device
+            weights = jax.block_until_ready(jax.device_put(weights, self.device))
+        if check:
+            check_same_architecture(self._weights, weights)
         return weights
 
     def install(self, weights: ServingWeights, policy_version: int, wait: bool = True) -> None:
@@ -216,6 +240,10 @@ class Engine:
     # --------------------------------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
+        with self._on_device():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._stopped or self._inbox or self._swaps or self.scheduler.queue or not self.scheduler.idle):

@@ -22,6 +22,7 @@ from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
+from marin_rl.learner._mesh import LearnerMesh
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
 from marin_rl.learner._step import loss_and_gradients
@@ -53,10 +54,13 @@ class Learner:
         *,
         key,
         vocab_size: int | None = None,
+        mesh: LearnerMesh | None = None,
     ):
         """`tokenizer` is saved with HF exports and handed to Levanter's HF loader (None: the checkpoint
-        directory's own). A fresh model gets `vocab_size` rows of embedding, by default `len(tokenizer)`."""
+        directory's own). A fresh model gets `vocab_size` rows of embedding, by default `len(tokenizer)`.
+        `mesh`: train data-parallel over its devices (None: on the default device)."""
         self.config = config
+        self.mesh = mesh
         self.model_config = model_config
         self.run_dir = Path(run_dir)
         self.tokenizer = tokenizer
@@ -67,11 +71,11 @@ class Learner:
         else:
             model = build_model(model_config, vocab_size or len(tokenizer), key=init_key)
         self._dtype = compute_dtype(model_config)
-        self.model: LmHeadModel = model
+        self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
-        self._opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        self._opt_state = self._place(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
-        self._reference = cast_floating(model, self._dtype) if config.loss.beta > 0 else None
+        self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
         # N of the 6N FLOPs-per-token count: every parameter in a matmul (the input embedding lookup is not one).
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
@@ -87,7 +91,9 @@ class Learner:
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
         step = jnp.asarray(self.policy_version, jnp.int32)
-        inputs = (self.config, self._dtype, self.model, example, reference, step_key, step)
+        if self.mesh is not None:
+            example = self.mesh.place_batch(example)
+        inputs = (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh)
         self.model, self._opt_state, device_metrics = _train_step(inputs, self._opt_state)
         metrics = {name: float(value) for name, value in jax.device_get(device_metrics).items()}
         elapsed = time.perf_counter() - start
@@ -98,6 +104,9 @@ class Learner:
         metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
         metrics["model_tflops_per_s"] = 6 * self.matmul_params * metrics["tokens_per_s"] / 1e12
         return metrics
+
+    def _place(self, tree):
+        return tree if self.mesh is None else self.mesh.place_params(tree)
 
     def _check_example(self, example: RlExample) -> None:
         positions = example.input_ids.resolve_axis(POS_AXIS).size
@@ -149,7 +158,7 @@ class Learner:
         model, opt_state, state = load_checkpoint(path, model_like=self.model, opt_state_like=self._opt_state)
         if state["config_hash"] != _hash(self._config_record()):
             logger.warning("checkpoint %s was written with another config: %s", path, state["config"])
-        self.model, self._opt_state = model, opt_state
+        self.model, self._opt_state = self._place(model), self._place(opt_state)
         self.policy_version = state["policy_version"]
         key_data = jnp.asarray(state["rng_key"], dtype=jnp.uint32)
         typed = jnp.issubdtype(self._key.dtype, jax.dtypes.prng_key)
@@ -170,7 +179,7 @@ class Learner:
 @eqx.filter_jit(donate="all-except-first")
 def _train_step(inputs, opt_state):
     """Loss and gradients over microbatches, then the optimizer update."""
-    config, dtype, model, example, reference, key, step = inputs
+    config, dtype, model, example, reference, key, step, mesh = inputs
     loss, grads, metrics = loss_and_gradients(
         model, example, config=config, compute_dtype=dtype, reference=reference, key=key
     )
@@ -178,6 +187,8 @@ def _train_step(inputs, opt_state):
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     model = eqx.apply_updates(model, updates)
+    if mesh is not None:  # keep the placement the step was compiled for (else the next step recompiles)
+        model, opt_state = mesh.place_params((model, opt_state))
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(step)}
     return model, opt_state, metrics
 

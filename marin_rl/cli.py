@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("-h", "--help", action=_TrainHelp, nargs=0, help="show this help, with every config key, and exit")
     train.add_argument("config", type=Path, help="YAML run config (see configs/)")
     train.add_argument("--resume", action="store_true", help="continue RUN_DIR from its latest checkpoint")
+    train.add_argument(
+        "--ray_address",
+        metavar="ADDRESS",
+        help="run on this Ray cluster (`auto`, or HEAD_HOST:6379): the same as --runtime=ray --ray.address=ADDRESS",
+    )
     train.set_defaults(handler=train_command, takes_overrides=True)
 
     serve = subparsers.add_parser(
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 def train_command(args, console: Console) -> int:
     from marin_rl.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    joins = [] if args.ray_address is None else ["--runtime=ray", f"--ray.address={args.ray_address}"]
+    config = load_config(args.config, [*joins, *args.overrides])
     from marin_rl.orchestrator._preflight import check_run
 
     checked = check_run(config, resume=args.resume)  # everything a user can get wrong, before the run dir is touched

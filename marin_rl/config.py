@@ -17,6 +17,7 @@ import draccus
 import yaml
 
 from marin_rl.broadcaster._broadcaster import BroadcasterConfig
+from marin_rl.distributed._config import RUNTIMES, PlacementConfig, RayConfig
 from marin_rl.envs._sampling import SamplingParams
 from marin_rl.errors import ConfigError
 from marin_rl.learner._config import LearnerConfig, ModelConfig
@@ -136,7 +137,14 @@ class TrainConfig:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     """Token budget per batch and row length."""
     server: InferenceServerConfig = field(default_factory=InferenceServerConfig)
-    """The embedded inference server, colocated with the learner."""
+    """The inference servers' settings: the embedded ones (`placement.server_devices`) and Ray's server actors."""
+    runtime: str = "local"
+    """`local`: everything in this process (learner, embedded servers, env workers on an event loop);
+    `ray`: inference servers and env workers as Ray actors (`ray`), the learner in this process."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which of this host's devices the learner's mesh and the embedded engines use (docs/distributed.md)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray runtime's actors and cluster (used when `runtime: ray`)."""
     broadcaster: BroadcasterConfig = field(default_factory=BroadcasterConfig)
     """How often new weights reach the servers, and which remote servers there are."""
     checkpoint_every: int = 50
@@ -186,7 +194,31 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 1 or null, got {self.eval_every}")
         if self.max_buffered_batches <= 0:
             raise ValueError(f"max_buffered_batches must be > 0, got {self.max_buffered_batches}")
+        self._check_distribution()
 
+    def _check_distribution(self) -> None:
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        shards = self.placement.data_parallel
+        if self.batcher.num_rows % shards:
+            raise ValueError(
+                f"batcher: {self.batcher.num_rows} rows per batch do not split evenly over the "
+                f"{shards} placement.learner_devices; make total_token_budget / max_seq_len a multiple of {shards}"
+            )
+        if self.learner.microbatch_rows is not None and self.learner.microbatch_rows % shards:
+            raise ValueError(f"learner.microbatch_rows ({self.learner.microbatch_rows}) must be a multiple of the {shards} placement.learner_devices")
+        if self.runtime == "ray":
+            if self.placement.server_devices:
+                raise ValueError("placement.server_devices: with runtime ray the servers are ray.num_servers actors; leave it unset")
+            if self.deterministic:
+                raise ValueError("deterministic: true needs runtime local (Ray's actors sample concurrently)")
+        elif not self.placement.engines and not self.broadcaster.remote_servers:
+            raise ValueError("placement.server_devices is [] and broadcaster.remote_servers is empty: no server to sample from")
+
+    @property
+    def embedded_devices(self) -> list[int]:
+        """Device index of each embedded engine (none in the Ray runtime, whose servers are actors)."""
+        return [] if self.runtime == "ray" else self.placement.engines
     @property
     def fractions(self) -> dict[str, float]:
         return {e.name: e.fraction for e in self.envs}

@@ -89,6 +89,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive TCP ports free on 127.0.0.1 now (Ray's server actors take `ray.server_port + i`)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
 def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: int = 0, flags=(), timeout_s: float = 240):
     """A `marin-rl serve` subprocess of `checkpoint`, returned with its base URL once it listens.
 

@@ -6,6 +6,7 @@
 - `SeededSampler`: every request carries a seed derived from the group's seed and the prompt, so a
   deterministic run's samples depend on (run seed, step, group) only.
 - `RetryingSampler`: a request that fails transiently is sent again (evaluation).
+- `LeastLoadedSampler`: each request goes to the ready server with the fewest sequences in flight.
 """
 
 from __future__ import annotations
@@ -111,3 +112,27 @@ class RetryingSampler(Sampler):
         async for attempt in retry_transient(max_backoff_s=self.max_backoff_s, attempts=self.attempts):
             with attempt:
                 return await self.inner.sample(prompt_ids, n, params)
+
+
+class LeastLoadedSampler(Sampler):
+    """Each request to the server, among those that serve this run's weights now, with the fewest
+    sequences in flight from this process (ties: the first). Several processes routing this way each
+    spread their own load, so the total is spread too."""
+
+    def __init__(self, samplers: Sequence[GatedSampler]):
+        self.samplers = list(samplers)
+        self.in_flight = [0] * len(self.samplers)
+
+    def choose(self) -> int:
+        ready = [i for i, s in enumerate(self.samplers) if s.endpoint.ready]
+        if not ready:
+            raise ServerNotReady("no server serves this run's weights now")
+        return min(ready, key=lambda i: self.in_flight[i])
+
+    async def sample(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> list[Completion]:
+        index = self.choose()
+        self.in_flight[index] += n
+        try:
+            return await self.samplers[index].sample(prompt_ids, n, params)
+        finally:
+            self.in_flight[index] -= n

@@ -52,7 +52,8 @@ class PolicyServer:
         server.shutdown()
 
     `weight_loader` (checkpoint dir -> model) is for the `serve` process: with it and a weight-update
-    token configured, POST /v1/weights/update is mounted. `device_lock` is the engine's (see `Engine`).
+    token configured, POST /v1/weights/update is mounted. `device_lock` and `device` are the engine's
+    (see `Engine`).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class PolicyServer:
         *,
         weight_loader: Callable[[str], Any] | None = None,
         device_lock: contextlib.AbstractContextManager | None = None,
+        device=None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine
@@ -75,7 +77,7 @@ class PolicyServer:
                 f"{model.Pos.size} (its config's seq_len)"
             )
         self.config = config
-        self.engine = Engine(config, model, policy_version, device_lock=device_lock)
+        self.engine = Engine(config, model, policy_version, device_lock=device_lock, device=device)
         updates = None
         if weight_loader is not None:
             token = config.resolved_weight_token()

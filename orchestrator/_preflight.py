@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from marin_rl.config import EnvConfig, TrainConfig
+from marin_rl.distributed import PlacementConfig
 from marin_rl.errors import ConfigError, RunDirError
 
 PROBLEMS_MEASURED = 8
@@ -50,6 +51,10 @@ class CheckedRun:
 
 def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
+    if config.placement != PlacementConfig():
+        from marin_rl.distributed import Placement
+
+        Placement.of(config)  # every device index exists on this host
     resume_from = check_run_dir(Path(config.run_dir), resume)
     tokenizer = _load_tokenizer(config.tokenizer)
     _check_model(config, len(tokenizer))

@@ -27,7 +27,7 @@ def serve_main(config: ServeConfig) -> None:
 
     _check_checkpoint_dir(config.checkpoint)
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
-    load = functools.partial(_load_checkpoint, tokenizer=tokenizer)
+    load = functools.partial(load_checkpoint, tokenizer=tokenizer)
     model = load(config.checkpoint)
     server = PolicyServer(config.server, model, tokenizer, config.policy_version, weight_loader=load)
     del model  # the server holds its own copy
@@ -45,7 +45,7 @@ def serve_main(config: ServeConfig) -> None:
         server.shutdown()
 
 
-def _load_checkpoint(path: str, *, tokenizer):
+def load_checkpoint(path: str, *, tokenizer):
     """The checkpoint's model (family from its config.json); the engine casts it to its serving dtype."""
     from transformers import AutoConfig
 

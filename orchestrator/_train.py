@@ -1,10 +1,11 @@
 """`train(config)`: the RL loop of `marin-rl train`.
 
 env workers -> replay buffers -> batcher -> learner -> broadcaster -> server -> env workers.
-The learner, the embedded server and the env workers share one process: workers sample on a
-background event loop while the learner trains (or, in a deterministic run, generate each step's
-batch with that step's policy); each new policy is swapped into the server in place. Read top to
-bottom: set up, loop, shut down.
+Local runtime: the learner, the embedded servers and the env workers share one process: workers
+sample on a background event loop while the learner trains (or, in a deterministic run, generate each
+step's batch with that step's policy); each new policy is swapped into the servers in place (device to
+device when `placement` gives an engine its own device). Ray runtime: servers and env workers are Ray
+actors (`marin_rl.distributed`), the rest stays here. Read top to bottom: set up, loop, shut down.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
 from marin_rl.orchestrator._resume import set_aside_abandoned
-from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
+from marin_rl.orchestrator._workers import EnvWorkers, worker_specs
 
 logger = logging.getLogger(__name__)
 
@@ -71,29 +72,47 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     # Heavy imports after the config is known to be good.
     import jax
 
+    from marin_rl.distributed import Placement
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
-    from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer, effective_shares
+    from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer
 
     # --- set up
     tokenizer = checked.tokenizer
-    learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed))
+    placement = Placement.of(config)
+    learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed), mesh=placement.learner_mesh)
     run_state = learner.restore_latest() if resume else {}
     if resume:
         if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
             run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
         set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
         logger.info("resuming at policy version %d", learner.policy_version)
-    # The learner and the embedded engine take turns on the device: the engine holds this lock around
+    # The learner and an embedded engine on its device take turns on it: the engine holds this lock around
     # each device call, the loop around each learn/broadcast/save phase. cuDNN attention's CUDA-graph
     # capture fails if another thread launches work meanwhile (seen on an H200, jax 0.11.2), and
     # overlapping gains nothing measurable on one GPU or on a 2-core CPU (0.26 vs 0.30 s per quickstart
-    # step). Re-entrant: the broadcast's swap takes it inside the loop's phase.
+    # step). An engine on a device of its own needs no lock: the swap copies the weights device to device.
+    # Re-entrant: the broadcast's swap takes it inside the loop's phase.
     device_lock = threading.RLock()
-    server = PolicyServer(
-        config.server, learner.model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock
-    ).start()
-    broadcaster = config.broadcaster.build(colocated=server, tokenizer=tokenizer, run_dir=str(run_dir))
+    servers = [
+        PolicyServer(
+            config.server,
+            learner.model,
+            tokenizer,
+            policy_version=learner.policy_version,
+            device_lock=device_lock if placement.shares_learner_device(device) else None,
+            device=device,
+        ).start()
+        for device in placement.engine_devices
+    ]
+    runtime = None
+    if config.runtime == "ray":
+        from marin_rl.distributed import RayRuntime
+
+        runtime = RayRuntime(config, learner.model, tokenizer, run_dir)
+    broadcaster = config.broadcaster.build(
+        colocated=servers, tokenizer=tokenizer, run_dir=str(run_dir), extra=runtime.transports if runtime else ()
+    )
     buffers = {
         env.name: ReplayBuffer(
             env.name,
@@ -108,34 +127,18 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
     batcher.credit.update(run_state.get("batcher_credit", {}))
-    envs = checked.envs
-    budget = config.batcher.num_rows * config.batcher.max_seq_len
-    # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
-    # remainder, so it gets an even share for this purpose).
-    shares = effective_shares(config.fractions, list(config.fractions))
-    buffered_share = {name: max(share, 1 / len(shares)) for name, share in shares.items()}
-    specs = {
-        e.name: WorkerSpec.for_algorithm(
-            e.algorithm,
-            replicas=e.replicas,
-            group_size=e.group_size,
-            sampling=e.sampling,
-            reward_weights=e.reward_weights,
-            max_turns=e.max_turns,
-            verifier_timeout_s=e.verifier_timeout_s,
-            max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
-            max_total_tokens=config.batcher.max_seq_len,
-            eval=e.eval,
-        )
-        for e in config.envs
-    }
-    # Remote servers are sampled from only while they serve this run's weights (their transport says).
+    # Servers in other processes are sampled from only while they serve this run's weights (their
+    # transport says).
     timeout = config.server.request_timeout_s
-    # Workers in this process reach the embedded engine directly (no HTTP, no JSON); remote servers over HTTP.
-    endpoints = [Endpoint(server.base_url, config.server.model_name, "embedded", timeout, local=server.local_sampler())]
+    # Workers in this process reach the embedded engines directly (no HTTP, no JSON); other servers over HTTP.
+    names = ["embedded"] if len(servers) == 1 else [f"embedded{i}" for i in range(len(servers))]
+    endpoints = [
+        Endpoint(server.base_url, config.server.model_name, name, timeout, local=server.local_sampler(name))
+        for name, server in zip(names, servers)
+    ]
     endpoints += [
-        Endpoint(transport.base_url, config.server.model_name, f"remote{i}", timeout, gate=transport)
-        for i, transport in enumerate(broadcaster.transports[1:])
+        Endpoint(transport.base_url, config.server.model_name, transport.server_id, timeout, gate=transport)
+        for transport in broadcaster.transports[len(servers) :]
     ]
     failures: list[PermanentError] = []
 
@@ -143,16 +146,19 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         failures.append(error)
         stop.set()
 
-    workers = EnvWorkers(
-        envs,
-        specs,
-        buffers,
-        endpoints,
-        seed=config.seed,
-        max_backoff_s=config.worker_max_backoff_s,
-        positions=run_state.get("problem_positions"),
-        on_failure=fail,
-    )
+    if runtime is None:
+        workers = EnvWorkers(
+            checked.envs,
+            worker_specs(config),
+            buffers,
+            endpoints,
+            seed=config.seed,
+            max_backoff_s=config.worker_max_backoff_s,
+            positions=run_state.get("problem_positions"),
+            on_failure=fail,
+        )
+    else:
+        workers = runtime.env_workers(buffers, endpoints, positions=run_state.get("problem_positions"), on_failure=fail)
     metrics_log = MetricsLog(run_dir, config.wandb, config_dict={"run_dir": str(run_dir)})
 
     # A deterministic run's checkpoint holds the positions its next step's groups start from (a fill
@@ -211,11 +217,14 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                     metrics.update(buffer.metrics())
                     buffer.flush_if_due()
                 metrics.update(workers.metrics())
-                metrics.update(server.metrics())
-                if server.last_swap is not None:  # copy: the weights; wait: the server's batch in flight
-                    metrics["broadcast/swap_seconds"] = server.last_swap.total_seconds
-                    metrics["broadcast/swap_copy_seconds"] = server.last_swap.copy_seconds
-                    metrics["broadcast/swap_wait_seconds"] = server.last_swap.wait_seconds
+                for server in servers:  # engine counters, summed over the embedded engines
+                    for key, value in server.metrics().items():
+                        metrics[key] = metrics.get(key, 0.0) + value
+                swaps = [server.last_swap for server in servers if server.last_swap is not None]
+                if swaps:  # copy: the weights (device to device); wait: the server's batch in flight; the slowest
+                    metrics["broadcast/swap_seconds"] = max(swap.total_seconds for swap in swaps)
+                    metrics["broadcast/swap_copy_seconds"] = max(swap.copy_seconds for swap in swaps)
+                    metrics["broadcast/swap_wait_seconds"] = max(swap.wait_seconds for swap in swaps)
                 totals["wall"] += t3 - t0
                 totals["wait"] += t1 - t0
                 generated = sum(metrics.get(f"replays/{e.name}/new_generated_tokens", 0.0) for e in config.envs)
@@ -256,7 +265,10 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
             buffer.close()
         metrics_log.close()
         broadcaster.close()
-        server.shutdown()
+        for server in servers:
+            server.shutdown()
+        if runtime is not None:
+            runtime.shutdown()
         # Not after a NaN (the weights are NaN) or a second Ctrl-C (stop now).
         if not isinstance(ended_by, (FloatingPointError, KeyboardInterrupt)) and saved[-1:] != [learner.policy_version]:
             _save_or_log(save_checkpoint, ended_by)

@@ -11,8 +11,11 @@ Every group's requests are seeded from (run seed, env, the problem's position in
 
 Failures are classified (`_faults.classify`): transient ones (a server down or restarting) are retried
 with backoff; permanent ones (a missing data file, a prompt longer than the row, a 400) stop the run
-through `on_failure`. Replica i samples from endpoint i mod N, or from the next one that serves this
-run's weights while that one does not.
+through `on_failure`. Each request goes to the least-loaded endpoint that serves this run's weights
+(`LeastLoadedSampler`).
+
+Several `EnvWorkers` (a Ray runtime's env-worker actors) share every env's problem stream through
+`shard=(i, n)`: the i-th draws positions i, i + n, i + 2n, ...
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from marin_rl.config import EvalConfig
+from marin_rl.config import EvalConfig, TrainConfig
 from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, sample_group
 from marin_rl.envs._runner import gather_all
 from marin_rl.errors import PermanentError
-from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, RetryingSampler, SeededSampler, derive_seed
+from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, LeastLoadedSampler, RetryingSampler, SeededSampler, derive_seed
 from marin_rl.orchestrator._faults import MAX_UNKNOWN_IN_A_ROW, ServerNotReady, classify, describe
 from marin_rl.orchestrator._resume import PROBLEM_POSITION_KEY
 from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
-from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig
+from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
 from marin_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,37 @@ class WorkerSpec:
         )
 
 
+def shard_start(position: int, shard: tuple[int, int]) -> int:
+    """The first stream position >= `position` that belongs to shard `(i, n)` (is i mod n)."""
+    index, count = shard
+    return position + (index - position) % count
+
+
+def worker_specs(config: TrainConfig, *, replica_share: int = 1) -> dict[str, WorkerSpec]:
+    """Each env's `WorkerSpec` from the run config; `replica_share` divides (rounding up) every env's
+    replicas among that many `EnvWorkers` (a Ray runtime's env-worker actors)."""
+    budget = config.batcher.num_rows * config.batcher.max_seq_len
+    # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
+    # remainder, so it gets an even share for this purpose).
+    shares = effective_shares(config.fractions, list(config.fractions))
+    buffered_share = {name: max(share, 1 / len(shares)) for name, share in shares.items()}
+    return {
+        e.name: WorkerSpec.for_algorithm(
+            e.algorithm,
+            replicas=-(-e.replicas // replica_share),
+            group_size=e.group_size,
+            sampling=e.sampling,
+            reward_weights=e.reward_weights,
+            max_turns=e.max_turns,
+            verifier_timeout_s=e.verifier_timeout_s,
+            max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
+            max_total_tokens=config.batcher.max_seq_len,
+            eval=e.eval,
+        )
+        for e in config.envs
+    }
+
+
 def _eval_metrics(metrics: dict[str, float], env: str, mode: str) -> dict[str, float]:
     """`eval/{env}/x` -> `eval/{env}/{mode}/x`, so greedy and sampled evals sit side by side."""
     prefix = f"eval/{env}/"
@@ -108,16 +142,19 @@ class EnvWorkers:
         max_backoff_s: float = 30.0,
         positions: Mapping[str, int] | None = None,
         on_failure: Callable[[PermanentError], None] | None = None,
+        shard: tuple[int, int] = (0, 1),
     ):
         """`positions`: each env's problem-stream position to continue from (a checkpoint's).
-        `on_failure` is called once, from the workers' thread, with the first permanent failure."""
+        `on_failure` is called once, from the workers' thread, with the first permanent failure.
+        `shard=(i, n)`: draw only the stream positions that are i mod n (the module docstring)."""
         if not endpoints:
             raise ValueError("EnvWorkers needs at least one endpoint")
         self.envs, self.specs, self.buffers, self.endpoints = dict(envs), dict(specs), dict(buffers), endpoints
         self.seed = seed
         self.max_backoff_s = max_backoff_s
+        self._shard, self._shards = shard
         self.streams = {
-            name: ProblemStream(env, seed=seed + index, position=(positions or {}).get(name, 0))
+            name: ProblemStream(env, seed=seed + index, position=shard_start((positions or {}).get(name, 0), shard))
             for index, (name, env) in enumerate(self.envs.items())
         }  # one per env, shared by its replicas
         self.failure: PermanentError | None = None
@@ -167,6 +204,7 @@ class EnvWorkers:
         self._samplers = [
             GatedSampler(e.local or OpenAISampler(c, e.model, server_id=e.server_id), e) for c, e in zip(clients, self.endpoints)
         ]
+        self._router = LeastLoadedSampler(self._samplers)
         self._teachers: dict[str, tuple[OpenAISampler, TeacherScorer | None]] = {}
         for name, spec in self.specs.items():
             if spec.teacher is not None:
@@ -180,7 +218,7 @@ class EnvWorkers:
         if free_running:
             for name, spec in self.specs.items():
                 for replica in range(spec.replicas):
-                    tasks.append(asyncio.create_task(self._worker(name, replica), name=f"{name}/{replica}"))
+                    tasks.append(asyncio.create_task(self._worker(name), name=f"{name}/{replica}"))
         self._ready.set()
         await self._stopping.wait()
         for task in tasks:
@@ -196,29 +234,23 @@ class EnvWorkers:
 
     # ---- one group ----
 
-    def _policy_sampler(self, replica: int) -> GatedSampler:
-        """Endpoint `replica mod N`, or the next one that serves this run's weights while it does not."""
-        count = len(self._samplers)
-        for offset in range(count):
-            sampler = self._samplers[(replica + offset) % count]
-            if sampler.endpoint.ready:
-                return sampler
-        return self._samplers[replica % count]  # none is: its request fails as ServerNotReady, retried
-
     def _draw(self, name: str) -> tuple[int, Problem]:
-        """The env's next problem and its position in the stream (kept in the rollouts' metadata)."""
+        """The env's next problem of this shard and its position in the stream (kept in the rollouts' metadata)."""
         stream = self.streams[name]
         position = stream.position
-        return position, next(stream)
+        problem = next(stream)
+        for _ in range(self._shards - 1):  # the other shards' positions
+            next(stream)
+        return position, problem
 
-    async def _group(self, name: str, drawn: tuple[int, Problem], replica: int) -> list[Rollout]:
+    async def _group(self, name: str, drawn: tuple[int, Problem]) -> list[Rollout]:
         env, spec = self.envs[name], self.specs[name]
         position, problem = drawn
         teacher, scorer = self._teachers.get(name, (None, None))
         if spec.source == "dataset":
             sampler = DemonstrationSampler(problem, env.tokenizer)
         else:
-            sampler = teacher if spec.source == "teacher" else self._policy_sampler(replica)
+            sampler = teacher if spec.source == "teacher" else self._router
         # Seeded by the problem's position in the stream: unique in the run, resumes included, and the
         # same in every run with this seed (a deterministic run's samples depend on nothing else).
         sampler = SeededSampler(sampler, derive_seed(self.seed, name, position))
@@ -256,14 +288,14 @@ class EnvWorkers:
 
     # ---- free-running ----
 
-    async def _worker(self, name: str, replica: int) -> None:
+    async def _worker(self, name: str) -> None:
         spec, buffer = self.specs[name], self.buffers[name]
         backoff = 1.0
         while self.failure is None:
             while buffer.size()[1] >= spec.max_buffered_tokens:
                 await asyncio.sleep(0.05)
             try:
-                rollouts = await self._group(name, self._draw(name), replica)
+                rollouts = await self._group(name, self._draw(name))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a worker must survive anything an env or server does
@@ -288,24 +320,22 @@ class EnvWorkers:
 
     async def _fill(self, short: Callable[[], list[str]], cancel: threading.Event) -> None:
         async def fill_env(name: str) -> None:
-            replicas, next_group = self.specs[name].replicas, 0
+            replicas = self.specs[name].replicas
             while name in short():
-                indices = range(next_group, next_group + replicas)
-                problems = [self._draw(name) for _ in indices]
-                groups = await gather_all(self._group_retried(name, p, i, cancel) for p, i in zip(problems, indices))
+                problems = [self._draw(name) for _ in range(replicas)]
+                groups = await gather_all(self._group_retried(name, p, cancel) for p in problems)
                 for rollouts in groups:  # in group order, whatever order they finished in
                     if name not in short():
                         break  # the rest of this wave is not needed (its problems stay drawn)
                     self._add(name, rollouts)
-                next_group += replicas
 
         await gather_all(fill_env(name) for name in self.envs)
 
-    async def _group_retried(self, name: str, drawn: tuple[int, Problem], index: int, cancel: threading.Event) -> list[Rollout]:
+    async def _group_retried(self, name: str, drawn: tuple[int, Problem], cancel: threading.Event) -> list[Rollout]:
         backoff = 1.0
         while True:
             try:
-                return await self._group(name, drawn, index)
+                return await self._group(name, drawn)
             except Exception as e:  # noqa: BLE001 - retried with the same problem and seed, so the result is the same
                 self._note_failure(name, e)
             if cancel.is_set():
@@ -329,7 +359,7 @@ class EnvWorkers:
         for name, env in self.envs.items():
             if self.specs[name].eval is None:
                 continue
-            sampler = RetryingSampler(self._samplers[0], max_backoff_s=self.max_backoff_s, attempts=EVAL_ATTEMPTS)
+            sampler = RetryingSampler(self._router, max_backoff_s=self.max_backoff_s, attempts=EVAL_ATTEMPTS)
             sampler = SeededSampler(sampler, derive_seed(self.seed, name, "eval", step))
             try:
                 metrics.update(await self._evaluate_env(name, env, sampler))

@@ -31,9 +31,10 @@ def test_broadcasts_every_k_steps_to_every_transport():
     assert metrics[0] == metrics[2] == metrics[4] == {}
     assert metrics[1]["broadcast/version"] == 2.0 and metrics[3]["broadcast/version"] == 4.0
     assert set(metrics[1]) == {
-        "broadcast/seconds", "broadcast/version", "broadcast/server0_seconds", "broadcast/server1_seconds", "broadcast/servers_down"
+        "broadcast/seconds", "broadcast/version", "broadcast/server0_seconds", "broadcast/server1_seconds", "broadcast/servers_down",
+        "broadcast/reconnects",
     }  # fmt: skip
-    assert metrics[1]["broadcast/servers_down"] == 0
+    assert metrics[1]["broadcast/servers_down"] == metrics[1]["broadcast/reconnects"] == 0
     assert a.confirmed_version() == 4
 
 
