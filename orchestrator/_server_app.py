@@ -174,10 +174,12 @@ class RequestHandler:
 
     async def run(self, jobs: list[GenerationJob]) -> list[JobResult]:
         futures = [self.engine.submit(job) for job in jobs]
+        gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        # A wait cancelled midway (the request or its worker went away) leaves the gather's
+        # CancelledError unread, which asyncio logs as an error at exit: read it.
+        gathered.add_done_callback(lambda g: g.cancelled() or g.exception())
         try:
-            return await asyncio.wait_for(
-                asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), self.config.request_timeout_s
-            )
+            return await asyncio.wait_for(gathered, self.config.request_timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(
                 504,
