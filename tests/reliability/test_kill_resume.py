@@ -27,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 24
 FLUSH_WINDOW = 64
+KILL_WITHIN_STEPS = 5
+"""Each kill comes at most this many steps past the checkpoint it resumed from (or the start)."""
 ARGS = [
     "configs/quickstart.yaml", f"--max_steps={MAX_STEPS}", "--batcher.total_token_budget=640", "--server.max_seqs=16",
     "--checkpoint_every=3", "--eval_every=6", "--deterministic=true", f"--envs.addition.buffer.flush_every_rollouts={FLUSH_WINDOW}",
@@ -109,14 +111,19 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
         if attempt == 3:
             assert process.wait(timeout=600) == 0, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
             break
-        if attempt == 0:  # anywhere from start-up (imports, compilation) to the first steps
-            time.sleep(rng.uniform(3, 30))
-        else:  # two steps past where it resumed, then anywhere in a step: sampling, learning, a checkpoint
+        log_tail = lambda: (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]  # noqa: E731
+        reached = lambda step: any(r["step"] >= step for r in lines(run_dir / "metrics.jsonl"))  # noqa: E731
+        if attempt:  # two steps past where it resumed, then anywhere in a step: sampling, learning, a checkpoint
             deadline = time.monotonic() + 300
-            while not any(r["step"] >= resumed_at + 2 for r in lines(run_dir / "metrics.jsonl")):
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
+            while not reached(resumed_at + 2):
+                assert process.poll() is None and time.monotonic() < deadline, log_tail()
                 time.sleep(0.05)
-            time.sleep(rng.uniform(0, 1.5))
+        # Attempt 0: anywhere from start-up (imports, compilation) to the first steps. The random delay
+        # is cut short by a step bound, so that a fast machine cannot finish the run first.
+        kill_at = time.monotonic() + (rng.uniform(0, 1.5) if attempt else rng.uniform(3, 30))
+        while time.monotonic() < kill_at and not reached(resumed_at + KILL_WITHIN_STEPS):
+            assert process.poll() is None, log_tail()
+            time.sleep(0.05)
         assert process.poll() is None, "finished before it could be killed"
         process.send_signal(signal.SIGKILL)
         process.wait()

@@ -1,11 +1,13 @@
-"""kill -9 of a remote `marin-rl serve` in the middle of a run, and its restart.
+"""A remote `marin-rl serve` that hangs in the middle of a run, is killed (-9), and restarts.
 
-The run goes on without it, and once it is back it gets the run's current weights before it is
+Frozen first (SIGSTOP) so that requests are in flight when it dies, whatever the timing: the push
+that it does not confirm within `confirm_timeout_s` marks it down. The run goes on without it, and once it is back it gets the run's current weights before it is
 sampled from again. Its own checkpoint claims policy version 999: a rollout labelled 999 would be one
 sampled from weights this run never pushed (at the start, or after the restart).
 """
 
 import json
+import signal
 import threading
 import time
 
@@ -48,7 +50,8 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
         [
             f"--run_dir={run_dir}", "--max_steps=1000", "--batcher.total_token_budget=640", "--server.max_seqs=16",
             "--checkpoint_every=1000", f"--broadcaster.remote_servers=[http://127.0.0.1:{port}/v1]",
-            "--broadcaster.reconnect_max_backoff_s=2", "--envs.addition.replicas=4",
+            "--broadcaster.reconnect_max_backoff_s=2", "--broadcaster.confirm_timeout_s=5",
+            "--max_buffered_batches=1000",  # workers go on sampling, from it too, while a push waits on it "--envs.addition.replicas=4",
         ],
     )  # fmt: skip
     tokenizer = load_tokenizer("char")
@@ -60,12 +63,14 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     trainer = threading.Thread(target=lambda: result.setdefault("run", train(config, stop=stop)))
     trainer.start()
     try:
-        killed_at = wait_for(lambda: max((r["step"] for r in metrics(run_dir)), default=0) >= 3 and metrics(run_dir)[-1]["step"], "3 steps")
+        frozen_at = wait_for(lambda: max((r["step"] for r in metrics(run_dir)), default=0) >= 3 and metrics(run_dir)[-1]["step"], "3 steps")
+        process.send_signal(signal.SIGSTOP)  # hung: requests sent to it now wait on it
+        wait_for(lambda: metrics(run_dir)[-1]["step"] >= frozen_at + 2, "steps while it hangs")
         process.kill()
         process.wait()
         # The run goes on without it, and reports it down.
         down = wait_for(
-            lambda: [r for r in metrics(run_dir) if r["step"] > killed_at + 2 and r["broadcast/servers_down"] == 1], "steps without it"
+            lambda: [r for r in metrics(run_dir) if r["step"] > frozen_at + 2 and r["broadcast/servers_down"] == 1], "steps without it"
         )
         process, _ = start_serve_process(own, tmp_path, token=TOKEN, port=port, flags=flags)  # its own weights again
         back_at = wait_for(
@@ -90,9 +95,9 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     versions = sorted({r.policy_version for r in remote})
     down_steps = sum(r["broadcast/servers_down"] == 1 for r in metrics(run_dir))
     print(
-        f"killed after step {killed_at}, back at step {back_at} ({down_steps} steps reported it down), run stopped at "
+        f"frozen after step {frozen_at} then killed, back at step {back_at} ({down_steps} steps reported it down), run stopped at "
         f"{run.final_step}; {len(remote)} of {len(rollouts)} rollouts from the remote server, versions {versions[0]}..{versions[-1]}"
     )
     assert OWN_VERSION not in versions  # never sampled from before it had this run's weights
-    assert any(v < killed_at for v in versions) and any(v >= back_at for v in versions)  # used before and after
-    assert max(r["workers/addition/errors"] for r in metrics(run_dir)) >= 1  # requests in flight at the kill failed, and were retried
+    assert any(v < frozen_at for v in versions) and any(v >= back_at for v in versions)  # used before and after
+    assert max(r["workers/addition/errors"] for r in metrics(run_dir)) >= 1  # requests left hanging on it failed at the kill, and were retried
