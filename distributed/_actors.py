@@ -13,6 +13,7 @@ Nothing heavy is imported at module level: the driver imports this module to nam
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import uuid
 from dataclasses import replace
@@ -139,7 +140,9 @@ class ShippedGate:
         """Versions answers reported outside the window, for the driver's transport."""
 
     def sampling_window(self) -> tuple[int, int] | None:
-        return self.window
+        # No upper bound: the driver may have pushed newer versions since it shipped this window, and a
+        # server actor serves nothing but what the driver pushed (Ray restarts it empty).
+        return None if self.window is None else (self.window[0], sys.maxsize)
 
     def report_stale(self, reported: int) -> None:
         self.stale.append(reported)

@@ -92,6 +92,26 @@ def test_requests_go_to_the_least_loaded_ready_server():
     asyncio.run(run())
 
 
+def test_an_env_worker_actor_accepts_versions_pushed_after_its_window_was_shipped():
+    from marin_rl.distributed._actors import ShippedGate
+
+    class Serving(Sampler):
+        version = 7
+
+        async def sample(self, prompt_ids, n, params):
+            metadata = InferenceMetadata(server_id="s", model="m", policy_version=self.version, finish_reason="stop")
+            return [Completion([1], [-0.1], metadata)] * n
+
+    gate, server = ShippedGate(), Serving()
+    sampler = GatedSampler(server, Endpoint("http://s/v1", "m", "ray0", gate=gate))
+    gate.window = (5, 6)  # shipped before the driver pushed 7
+    assert len(asyncio.run(sampler.sample([1], 2, SamplingParams()))) == 2 and gate.stale == []
+    server.version = 4  # older than the window: restarted and given something else, for all the actor knows
+    with pytest.raises(ServerNotReady, match="policy version 4"):
+        asyncio.run(sampler.sample([1], 2, SamplingParams()))
+    assert gate.stale == [4] and gate.sampling_window() is None
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_shards_of_a_stream_cover_every_position_once(count):
     for position in range(10):
