@@ -1,10 +1,12 @@
 """A new user's first runs through the real `marin-rl` command: a quiet end, an own env that just
 imports, a double Ctrl-C; the viewer is tested in test_viewer_browser.py on the run made here."""
 
+import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,18 +71,32 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):
     run_dir = tmp_path / "run"
     script = Path(sys.executable).with_name("marin-rl")
     args = ["train", QUICKSTART, f"--run_dir={run_dir}", "--max_steps=1000", *QUICK_RUN]
-    process = subprocess.Popen([script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
+    process = subprocess.Popen([script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err, stopping = [], [], threading.Event()
+
+    def read(stream, lines):
+        with stream:
+            for line in stream:
+                lines.append(line)
+                if "SIGINT: finishing the step" in line:
+                    stopping.set()
+
+    readers = [threading.Thread(target=read, args=pair) for pair in ((process.stdout, out), (process.stderr, err))]
+    for reader in readers:
+        reader.start()
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert process.poll() is None, process.communicate()
+        assert process.poll() is None, "".join(err)
         assert time.monotonic() < deadline, "no training step within 300 s"
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 130, err
-    assert_quiet(err, last="aborted: the rollouts are on disk; the final checkpoint was not written")
-    assert "SIGINT: finishing the step" in out
+    assert stopping.wait(60), "".join(out)
+    process.send_signal(signal.SIGINT)  # while the first one's clean-up runs
+    process.wait(timeout=60)
+    for reader in readers:
+        reader.join()
+    assert process.returncode == 130, "".join(err)
+    assert_quiet("".join(err), last="aborted: the rollouts are on disk; the final checkpoint was not written")
     assert read_rollouts(run_dir, env="addition")  # what was pending got written

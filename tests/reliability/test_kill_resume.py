@@ -20,6 +20,7 @@ import pytest
 
 from marin_rl.config import load_config
 from marin_rl.orchestrator import train
+from marin_rl.orchestrator._preflight import holds_run
 from marin_rl.orchestrator._resume import ABANDONED_METRICS_FILE, ABANDONED_ROLLOUTS_DIR
 from marin_rl.storage import list_segments, read_rollouts, read_segment, table_to_rollouts
 
@@ -107,7 +108,8 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
         before = accepted_and_stored(run_dir)
         resumed_at = max([int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")], default=0)
         with open(tmp_path / f"attempt-{attempt}.log", "w") as log:
-            process = subprocess.Popen(command + (["--resume"] if attempt else []), stdout=log, stderr=subprocess.STDOUT)
+            # Killed before it wrote anything but its config (start-up), there is nothing to resume: a user starts again.
+            process = subprocess.Popen(command + (["--resume"] if holds_run(run_dir) else []), stdout=log, stderr=subprocess.STDOUT)
         if attempt == 3:
             assert process.wait(timeout=600) == 0, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
             break
