@@ -85,6 +85,11 @@ def _check_message(message: Mapping[str, Any], where: str, roles: tuple[str, ...
     return dict(message)
 
 
+def _copied(value: Any) -> Any:
+    # Message fields are mostly strings: deepcopy's bookkeeping for them cost more than sampling here.
+    return value if isinstance(value, (str, int, float, bool, type(None))) else copy.deepcopy(value)
+
+
 @dataclass
 class _Segment:
     role: str
@@ -125,7 +130,7 @@ class Transcript:
     @property
     def messages(self) -> list[Message]:
         """The conversation so far (a copy; assistant content is the decoded sampled ids)."""
-        return copy.deepcopy(self._messages)
+        return [{key: _copied(value) for key, value in message.items()} for message in self._messages]
 
     @property
     def token_ids(self) -> list[int]:
@@ -159,7 +164,7 @@ class Transcript:
 
     def copy(self) -> Transcript:
         other = copy.copy(self)
-        other._messages = copy.deepcopy(self._messages)
+        other._messages = list(self._messages)  # the messages themselves are never changed in place
         other._segments = [dataclasses.replace(seg, token_ids=list(seg.token_ids)) for seg in self._segments]
         return other
 

@@ -86,14 +86,9 @@ class Learner:
 
     def step(self, example: RlExample) -> dict[str, float]:
         """One optimizer step on `example`; returns the step's metrics (see docs/learner.md)."""
-        self._check_example(example)
-        reference = self._reference if example.reference_logprobs is None else None
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
-        step = jnp.asarray(self.policy_version, jnp.int32)
-        if self.mesh is not None:
-            example = self.mesh.place_batch(example)
-        inputs = (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh)
+        inputs = self._step_inputs(example, step_key)
         self.model, self._opt_state, device_metrics = _train_step(inputs, self._opt_state)
         metrics = {name: float(value) for name, value in jax.device_get(device_metrics).items()}
         elapsed = time.perf_counter() - start
@@ -104,6 +99,21 @@ class Learner:
         metrics["tokens_per_s"] = metrics["num_tokens"] / elapsed
         metrics["model_tflops_per_s"] = 6 * self.matmul_params * metrics["tokens_per_s"] / 1e12
         return metrics
+
+    def compile_step(self, example: RlExample) -> float:
+        """Compile the step for examples shaped like `example` without running it (the first step then
+        starts at once); returns the seconds it took."""
+        start = time.perf_counter()
+        _train_step.lower(self._step_inputs(example, self._key), self._opt_state).compile()
+        return time.perf_counter() - start
+
+    def _step_inputs(self, example: RlExample, step_key):
+        self._check_example(example)
+        reference = self._reference if example.reference_logprobs is None else None
+        step = jnp.asarray(self.policy_version, jnp.int32)
+        if self.mesh is not None:
+            example = self.mesh.place_batch(example)
+        return (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh)
 
     def _place(self, tree):
         return tree if self.mesh is None else self.mesh.place_params(tree)

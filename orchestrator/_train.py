@@ -76,6 +76,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
     from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer
+    from marin_rl.rl_example import RlExample
 
     # --- set up
     tokenizer = checked.tokenizer
@@ -127,6 +128,8 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     }
     batcher = Batcher(buffers, config.fractions, config.batcher)
     batcher.credit.update(run_state.get("batcher_credit", {}))
+    # Every batch has this shape: compiled now, the first step does not wait on XLA with data waiting.
+    logger.info("learner: step compiled in %.1fs", learner.compile_step(RlExample.from_packed(batcher.padding_arrays())))
     # Servers in other processes are sampled from only while they serve this run's weights (their
     # transport says).
     timeout = config.server.request_timeout_s

@@ -136,6 +136,11 @@ class Batcher:
         metrics = self._metrics(groups, plan, short, wait_s, policy_version)
         return Batch(packed, groups, metrics, policy_version)
 
+    def padding_arrays(self) -> PackedArrays:
+        """A batch of padding only, shaped like every batch (to compile the learner's step before data comes)."""
+        cfg = self.config
+        return build_packed_arrays([], BatchPlan(), cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
+
     def short_envs(self) -> list[str]:
         """The envs whose buffers cannot fill their share of a batch now."""
         capacity = self.config.num_rows * self.config.max_seq_len

@@ -174,3 +174,25 @@ def test_bad_shapes_are_rejected(tmp_path, tokenizer, tiny_model_config, packer)
         learner.step(RlExample.from_packed(packer([[20]], 24)))
     with pytest.raises(ValueError, match="microbatch_rows"):
         learner.step(RlExample.from_packed(packer([[8], [8], [8]], 16)))
+
+
+def test_compile_step_leaves_the_first_step_nothing_to_compile(tmp_path, tokenizer, tiny_model_config, packer, example):
+    learner = make_learner(tmp_path, tokenizer, tiny_model_config)
+    before = jax.tree.leaves(learner.model)
+    learner.compile_step(RlExample.from_packed(packer([[4], [30], [2, 2], [9]], 32, seed=3)))  # other rollouts, same shape
+    assert learner.policy_version == 0
+    for a, b in zip(before, jax.tree.leaves(learner.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # compiled, not run
+
+    compiles = []
+
+    def on_event(name, _seconds, **_):
+        if "backend_compile" in name:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        learner.step(example)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == [] and learner.policy_version == 1

@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import time
 
@@ -192,6 +193,17 @@ def test_batcher_never_trains_on_rollouts_older_than_max_age():
     batch = Batcher({"a": buffer}, {"a": 1.0}, BatcherConfig(total_token_budget=256, max_seq_len=128, max_wait_s=0.0)).next_batch(4)
     assert sorted(set(batch.rollout_versions)) == [3, 4]
     assert batch.metrics["batch/staleness_max"] == 1.0
+
+
+def test_padding_arrays_are_shaped_like_every_batch_and_hold_no_token():
+    buffer = ReplayBuffer("a")
+    buffer.add(make_group([1.0, 0.0], env="a", group_id="g", completion_lens=[60, 60]))
+    batcher = Batcher({"a": buffer}, {"a": 1.0}, BatcherConfig(total_token_budget=512, max_seq_len=128, max_wait_s=0.0))
+    padding, batch = batcher.padding_arrays(), batcher.next_batch(policy_version=0).packed
+    for field in dataclasses.fields(batch):
+        real, pad = getattr(batch, field.name), getattr(padding, field.name)
+        assert (None if real is None else (real.shape, real.dtype)) == (None if pad is None else (pad.shape, pad.dtype)), field.name
+    assert (padding.segment_ids == PADDING_SEGMENT_ID).all() and not padding.loss_mask.any()
 
 
 def test_batcher_config_rejects_bad_values_naming_the_field():
