@@ -6,8 +6,9 @@ chosen shape, groups of `--group-size` completions of `--prompts` prompts per st
 new tokens, temperature 1, the same learning rate, clip range and gradient clipping, no KL term.
 TRL generates with transformers `generate()` (vLLM cannot be installed on the GPU machine). Each side
 prints seconds per step (median over steady steps), generated and trained tokens/s, peak device
-memory, its reward curve, and the steps and training seconds until the mean reward over 5 steps
-first reaches `--target`.
+memory, its reward curve, and the steps, training seconds (the steps' own times) and seconds from
+launch (imports, model build and compilation included) until the mean reward over 5 steps first
+reaches `--target`.
 
     python benchmarks/bench_vs_trl.py --size tiny                     # the quickstart on this CPU
     python benchmarks/bench_vs_trl.py --size 0.5b --max-tokens 64 --prompts 16 --steps 60 --lr 1e-4   # GPU
@@ -25,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+LAUNCHED = time.time()
+"""When this process started (each side runs in a process of its own)."""
 SIZES = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": (64, 256, 2, 4, 4),
@@ -43,7 +46,10 @@ def time_to_target(rewards: list[float], step_seconds: list[float], target: floa
     return None, None
 
 
-def summary(name: str, rewards: list[float], step_seconds: list[float], generated: list[float], trained: list[float], peak_gib, args) -> dict:
+def summary(
+    name: str, rewards: list[float], step_seconds: list[float], step_ends: list[float], generated: list[float], trained: list[float], peak_gib, args
+) -> dict:
+    """`step_ends`: the wall-clock time (time.time()) at which each step ended."""
     steady = slice(min(2, len(step_seconds) - 1), None)  # the first steps compile / warm up
     median = statistics.median(step_seconds[steady])
     steps, seconds = time_to_target(rewards, step_seconds, args.target)
@@ -55,6 +61,7 @@ def summary(name: str, rewards: list[float], step_seconds: list[float], generate
         "peak_gib": peak_gib,
         "steps_to_target": steps,
         "seconds_to_target": seconds,
+        "seconds_from_launch_to_target": None if steps is None else step_ends[steps - 1] - LAUNCHED,
         "rewards": [round(r, 3) for r in rewards],
         "step_seconds": [round(s, 4) for s in step_seconds],
     }
@@ -71,7 +78,7 @@ def run_marin(args) -> dict:
 
     hidden, mlp, layers, heads, kv = SIZES[args.size]
     row = 64 if args.size == "tiny" else 512
-    per_rollout = 8 + args.max_tokens  # the rendered prompt is 7-8 tokens
+    per_rollout = 7 + args.max_tokens  # the rendered prompt is 7 tokens (`marin-rl train` prints it)
     rows = -(-args.prompts * args.group_size * per_rollout // row)
     run_dir = Path(tempfile.mkdtemp(prefix="vs-trl-marin-")) / "run"
     overrides = [
@@ -87,18 +94,18 @@ def run_marin(args) -> dict:
         f"--batcher.max_seq_len={row}",
         f"--batcher.total_token_budget={rows * row}",
         f"--server.max_seq_len={row}",
-        f"--server.max_seqs={min(512, args.prompts * args.group_size)}",
+        # On the CPU, the quickstart's 64 slots: more make every prefill larger there, for nothing.
+        f"--server.max_seqs={64 if args.size == 'tiny' else min(512, args.prompts * args.group_size)}",
         f"--learner.optimizer.learning_rate={args.lr}",
         "--checkpoint_every=1000000",
-        "--server.precompile_prompt_lens=[16]",  # compile every engine shape before step 1, as TRL has none
         f"--envs.addition.group_size={args.group_size}",
-        # Twice as many groups in flight as a step takes: the next step's groups generate while this
-        # step's rollouts are scored and stored (TRL generates a step's groups in one call).
-        f"--envs.addition.replicas={2 * args.prompts}",
         f"--envs.addition.sampling.max_tokens={args.max_tokens}",
     ]
     if jax.default_backend() == "gpu":
-        overrides += ["--model.attn_backend=cudnn", "--server.compute_dtype=bfloat16"]
+        # Twice as many groups in flight as a step takes: the next step's groups generate while this
+        # step's rollouts are scored and stored (TRL generates a step's groups in one call). On 2 CPU
+        # cores the quickstart's 8 workers are faster (0.143 against 0.154 s per step with 20).
+        overrides += ["--model.attn_backend=cudnn", "--server.compute_dtype=bfloat16", f"--envs.addition.replicas={2 * args.prompts}"]
     train(load_config(str(Path(__file__).parent.parent / "configs" / "quickstart.yaml"), overrides))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stats = jax.devices()[0].memory_stats() or {}
@@ -107,6 +114,7 @@ def run_marin(args) -> dict:
         "marin-rl",
         [r["batches/addition/reward_mean"] for r in records],  # the batch the step trained on
         [r["time/step_s"] for r in records],
+        [r["time"] for r in records],
         [r.get("replays/addition/new_generated_tokens", 0) for r in records],
         [r["learner/num_tokens"] for r in records],
         None if peak is None else peak / 2**30,
@@ -153,7 +161,7 @@ def run_trl(args) -> dict:
             self.start = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            log.append({"seconds": time.perf_counter() - self.start})
+            log.append({"seconds": time.perf_counter() - self.start, "end": time.time()})
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "reward" in logs and log:
@@ -190,6 +198,7 @@ def run_trl(args) -> dict:
         f"TRL {__import__('trl').__version__} (transformers {transformers.__version__} generate)",
         [e.get("reward", 0.0) for e in log],
         [e["seconds"] for e in log],
+        [e["end"] for e in log],
         generated,
         [g + completions * prompt_len for g in generated],
         torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
@@ -234,7 +243,11 @@ def main() -> None:
 
     print(f"\n{args.size} model, {args.prompts} prompts x {args.group_size} completions of {args.max_tokens} tokens, lr {args.lr}")
     for r in results:
-        reached = f"step {r['steps_to_target']}, {r['seconds_to_target']:.1f} s" if r["steps_to_target"] else "not reached"
+        reached = (
+            f"step {r['steps_to_target']}, {r['seconds_to_target']:.1f} s of training, {r['seconds_from_launch_to_target']:.1f} s from launch"
+            if r["steps_to_target"]
+            else "not reached"
+        )
         peak = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] else ""
         print(
             f"{r['side']}: {r['seconds_per_step']:.3f} s/step, {r['generated_tok_s']:,.0f} generated tok/s, "

@@ -131,6 +131,8 @@ class Engine:
         with self._lock, self._on_device():
             self._cache = KvCache.zeros(self.cache_spec)
             self._state = SlotState.empty(self.config.max_seqs, self.table_width, self.config.max_stop_sequences, self.config.max_stop_tokens)
+            if self.device is not None:  # committed, as every later call's are (the previous call's outputs): one compiled variant per shape
+                self._cache, self._state = jax.device_put((self._cache, self._state), self.device)
 
     def _precompile(self, prompt_lens) -> None:
         """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""

@@ -8,7 +8,6 @@ ignore dot files.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -86,7 +85,7 @@ def env_rejects_path(run_dir: str | os.PathLike, env: str) -> Path:
     return Path(run_dir) / REJECTS_DIR / f"{env}.jsonl"
 
 
-def _turn_row(turn: Turn) -> dict[str, Any]:
+def _turn_row(turn: Turn, params_json: Callable[[dict], str]) -> dict[str, Any]:
     meta = turn.inference_metadata
     return {
         "role": turn.role,
@@ -99,27 +98,22 @@ def _turn_row(turn: Turn) -> dict[str, Any]:
         "policy_version": meta.policy_version if meta else None,
         "finish_reason": meta.finish_reason if meta else None,
         "latency_s": meta.latency_s if meta else None,
-        "sampling_params_json": _params_json(meta.sampling_params) if meta else None,
+        "sampling_params_json": params_json(meta.sampling_params) if meta else None,
         "teacher_logprobs": turn.teacher_logprobs,
     }
 
 
-@functools.lru_cache(maxsize=256)
-def _params_json_cached(items: tuple) -> str:
-    return json.dumps(dict(items), sort_keys=True)
-
-
-def _params_json(params: dict) -> str:
-    # The same few sampling settings recur in every turn of every rollout: encode each once (lists as
-    # tuples, which JSON encodes alike, so that they can be a cache key).
-    try:
-        return _params_json_cached(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())))
-    except TypeError:  # another unhashable value: encode it directly
-        return json.dumps(params, sort_keys=True)
-
-
 def rollouts_to_table(rollouts: list[Rollout], written_at: float | None = None) -> pa.Table:
     written_at = time.time() if written_at is None else written_at
+    # The completions of one request share its sampling-params dict (with its seed, unique to the
+    # request): each dict is encoded once.
+    encoded: dict[int, tuple[dict, str]] = {}
+
+    def params_json(params: dict) -> str:
+        if id(params) not in encoded:
+            encoded[id(params)] = params, json.dumps(params, sort_keys=True)  # the dict kept alive: ids stay unique
+        return encoded[id(params)][1]
+
     rows = [
         {
             "rollout_uid": r.rollout_uid,
@@ -133,7 +127,7 @@ def rollouts_to_table(rollouts: list[Rollout], written_at: float | None = None) 
             "num_tokens": r.num_tokens,
             "num_generated_tokens": r.num_generated_tokens,
             "metadata_json": json.dumps(r.metadata, sort_keys=True, default=str),
-            "turns": [_turn_row(t) for t in r.turns],
+            "turns": [_turn_row(t, params_json) for t in r.turns],
             "written_at": written_at,
         }
         for r in rollouts
