@@ -51,9 +51,11 @@ def served(quickstart_run):
 
 
 def wait_for(driver, condition, timeout=10):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout).until(lambda d: condition())
+    # An element found just before the page re-renders it is stale: look again.
+    return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: condition())
 
 
 def count_text(driver):
