@@ -291,7 +291,9 @@ class EnvWorkers:
     async def _worker(self, name: str) -> None:
         spec, buffer = self.specs[name], self.buffers[name]
         backoff = 1.0
-        while self.failure is None:
+        # Checks `_stopping` too: Python 3.11's `asyncio.wait_for` can swallow a cancellation that
+        # races with its result, and the worker must not sample on against stopped servers.
+        while self.failure is None and not self._stopping.is_set():
             while buffer.size()[1] >= spec.max_buffered_tokens:
                 await asyncio.sleep(0.05)
             try:

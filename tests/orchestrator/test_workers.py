@@ -139,3 +139,30 @@ def test_a_failed_evaluation_is_retried_then_recorded_and_never_ends_the_run(ser
         assert failed == {"eval/addition/failed": 1.0}
     finally:
         workers.stop()
+
+
+def test_stop_ends_workers_whose_await_swallowed_the_cancellation():
+    """Python 3.11's `asyncio.wait_for` returns a result that races a cancellation instead of raising it."""
+    import asyncio
+
+    from marin_rl.envs import Completion, Sampler
+    from marin_rl.types import InferenceMetadata
+
+    class AnswersThroughCancellation(Sampler):
+        async def sample(self, prompt_ids, n, params):
+            try:
+                await asyncio.sleep(0.005)
+            except asyncio.CancelledError:
+                pass  # swallowed, as the racing wait_for does
+            metadata = InferenceMetadata(server_id="embedded", model="policy", policy_version=0, finish_reason="length")
+            return [Completion([20], [-0.1], metadata) for _ in range(n)]
+
+    tokenizer = load_tokenizer("char")
+    env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
+    buffer = ReplayBuffer("addition", ReplayBufferConfig(min_group_size=1))
+    endpoint = Endpoint("http://unused/v1", "policy", "embedded", local=AnswersThroughCancellation())
+    workers = EnvWorkers({"addition": env}, {"addition": WorkerSpec(replicas=4, group_size=2)}, {"addition": buffer}, [endpoint])
+    workers.start()
+    wait_until(lambda: buffer.size()[0] >= 8, what="rollouts")
+    workers.stop(timeout=10)
+    assert not workers._thread.is_alive()
