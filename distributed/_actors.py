@@ -132,27 +132,34 @@ class Outbox:
 
 
 class ShippedGate:
-    """A server's sampling window as the driver's transport last reported it (`VersionGate`)."""
+    """A server's sampling window as the driver's transport last reported it (`VersionGate`).
 
-    def __init__(self):
+    The driver may have pushed newer versions since it shipped the window. A server actor serves
+    nothing but what the driver pushed (Ray restarts it empty), so its window has no upper bound
+    (`bounded_above=False`); a remote server may come back with weights of its own, so an answer above
+    its window is dropped and reported, and the driver, which knows what it pushed, decides."""
+
+    def __init__(self, bounded_above: bool):
+        self.bounded_above = bounded_above
         self.window: tuple[int, int] | None = None
-        self.stale: list[int] = []
-        """Versions answers reported outside the window, for the driver's transport."""
+        self.stale: list[tuple[int, bool]] = []
+        """(version, above the window) of answers reported outside the window, for the driver."""
 
     def sampling_window(self) -> tuple[int, int] | None:
-        # No upper bound: the driver may have pushed newer versions since it shipped this window, and a
-        # server actor serves nothing but what the driver pushed (Ray restarts it empty).
-        return None if self.window is None else (self.window[0], sys.maxsize)
+        if self.window is None or self.bounded_above:
+            return self.window
+        return self.window[0], sys.maxsize
 
     def report_stale(self, reported: int) -> None:
-        self.stale.append(reported)
-        self.window = None  # until the driver re-synced the server
+        self.stale.append((reported, self.window is not None and reported > self.window[1]))
+        self.window = None  # until the driver ships the next window
 
 
 class EnvWorkerActor:
-    def __init__(self, config, index: int, count: int, endpoints: list[tuple[str, str, bool]]):
+    def __init__(self, config, index: int, count: int, endpoints: list[tuple[str, str, str | None]]):
         """Shard `index` of `count` of every env's problem stream; `endpoints`: (base URL, server id,
-        gated) of each server, gated ones sampled from only inside the window the driver sends."""
+        gate) of each server: None, or "actor" / "remote" for one sampled from only inside the window
+        the driver sends (`ShippedGate`: a server actor's window has no upper bound)."""
         _cpu_only()
         self.config, self.index, self.count, self.endpoints = config, index, count, endpoints
         self.workers = None
@@ -171,7 +178,7 @@ class EnvWorkerActor:
         tokenizer = load_tokenizer(config.tokenizer)
         envs = {e.name: build_env(e.type, e.args, tokenizer=tokenizer, name=e.name) for e in config.envs}
         self.outboxes = {name: Outbox(self._arrived) for name in envs}
-        self.gates = [ShippedGate() if gated else None for _, _, gated in self.endpoints]
+        self.gates = [None if gate is None else ShippedGate(bounded_above=gate == "remote") for _, _, gate in self.endpoints]
         self._open(windows)
         endpoints = [
             Endpoint(url, config.server.model_name, server_id, config.server.request_timeout_s, gate=gate)
@@ -207,7 +214,7 @@ class EnvWorkerActor:
                 self.outboxes[name].driver_size = tuple(size)
             self._arrived.wait_for(lambda: self.failure or any(o.holds_rollouts for o in self.outboxes.values()), timeout=wait_s)
             taken = {name: outbox.take() for name, outbox in self.outboxes.items()}
-        stale = [(i, v) for i, gate in enumerate(self.gates) if gate is not None for v in gate.stale]
+        stale = [(i, v, above) for i, gate in enumerate(self.gates) if gate is not None for v, above in gate.stale]
         for gate in self.gates:
             if gate is not None:
                 gate.stale = []

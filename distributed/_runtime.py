@@ -78,7 +78,7 @@ class RayRuntime:
         settings = self.config.ray
         worker = ray.remote(EnvWorkerActor)
         resources = dict(num_cpus=settings.env_worker_num_cpus, max_restarts=settings.max_restarts)
-        specs = [(e.base_url, e.server_id, e.gate is not None) for e in endpoints]
+        specs = [(e.base_url, e.server_id, None if e.gate is None else "actor" if isinstance(e.gate, RayServerTransport) else "remote") for e in endpoints]
         count = settings.num_env_workers
         actors = [
             worker.options(name=f"env_worker{i}", namespace=self.namespace, **resources).remote(self.config, i, count, specs)
@@ -203,7 +203,10 @@ class RayEnvWorkers:
             accepted = self.buffers[name].add(rollouts)
             with self._lock:
                 self._counts[f"workers/{name}/rollouts_rejected"] += len(rollouts) - accepted
-        for server, version in reply["stale"]:
+        for server, version, above in reply["stale"]:
+            window = self.gates[server].sampling_window()
+            if above and window is not None and version <= window[1]:
+                continue  # pushed after the actor's window was shipped: not a restart
             self.gates[server].report_stale(version)
         with self._lock:
             self._actor_positions[index] = reply["positions"]

@@ -92,7 +92,7 @@ def test_requests_go_to_the_least_loaded_ready_server():
     asyncio.run(run())
 
 
-def test_an_env_worker_actor_accepts_versions_pushed_after_its_window_was_shipped():
+def test_an_env_worker_actor_checks_answers_against_the_window_the_driver_shipped():
     from marin_rl.distributed._actors import ShippedGate
 
     class Serving(Sampler):
@@ -102,14 +102,47 @@ def test_an_env_worker_actor_accepts_versions_pushed_after_its_window_was_shippe
             metadata = InferenceMetadata(server_id="s", model="m", policy_version=self.version, finish_reason="stop")
             return [Completion([1], [-0.1], metadata)] * n
 
-    gate, server = ShippedGate(), Serving()
-    sampler = GatedSampler(server, Endpoint("http://s/v1", "m", "ray0", gate=gate))
-    gate.window = (5, 6)  # shipped before the driver pushed 7
-    assert len(asyncio.run(sampler.sample([1], 2, SamplingParams()))) == 2 and gate.stale == []
+    def sample(gate, server):
+        return asyncio.run(GatedSampler(server, Endpoint("http://s/v1", "m", "s", gate=gate)).sample([1], 2, SamplingParams()))
+
+    # A server actor serves only what the driver pushed: a version pushed after the window was shipped is fine.
+    actor, server = ShippedGate(bounded_above=False), Serving()
+    actor.window = (5, 6)
+    assert len(sample(actor, server)) == 2 and actor.stale == []
     server.version = 4  # older than the window: restarted and given something else, for all the actor knows
     with pytest.raises(ServerNotReady, match="policy version 4"):
-        asyncio.run(sampler.sample([1], 2, SamplingParams()))
-    assert gate.stale == [4] and gate.sampling_window() is None
+        sample(actor, server)
+    assert actor.stale == [(4, False)] and actor.sampling_window() is None
+
+    # A remote server may be back with weights of its own: an answer above the window is dropped and
+    # reported as above it, for the driver to check against what it pushed.
+    remote = ShippedGate(bounded_above=True)
+    remote.window = (5, 6)
+    server.version = 7
+    with pytest.raises(ServerNotReady, match="policy version 7"):
+        sample(remote, server)
+    assert remote.stale == [(7, True)]
+
+
+def test_the_driver_marks_a_server_down_only_for_versions_it_never_pushed():
+    from marin_rl.distributed._runtime import RayEnvWorkers
+
+    class Transport:  # the driver's own view of one server: confirmed 6, pushing 8
+        def __init__(self):
+            self.window, self.reported = (6, 8), []
+
+        def sampling_window(self):
+            return self.window
+
+        def report_stale(self, version):
+            self.reported.append(version)
+
+    transport = Transport()
+    workers = RayEnvWorkers([object()], {}, [transport], positions={}, on_failure=lambda e: None)
+    reply = {"started": True, "rollouts": {}, "positions": {}, "metrics": {}, "failure": None}
+    # 7 and 8, above the window an actor had: pushed since. 999 above it too, but never pushed; 3 below it.
+    workers._absorb(0, {**reply, "stale": [(0, 7, True), (0, 8, True), (0, 999, True), (0, 3, False)]})
+    assert transport.reported == [999, 3]
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
