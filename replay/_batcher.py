@@ -56,6 +56,10 @@ class BatcherConfig:
     def num_rows(self) -> int:
         return self.total_token_budget // self.max_seq_len
 
+    def padding_arrays(self) -> PackedArrays:
+        """A batch of padding only, shaped like every batch (to compile the learner's step before data comes)."""
+        return build_packed_arrays([], BatchPlan(), self.num_rows, self.max_seq_len, self.pad_token_id)
+
 
 @dataclass
 class Batch:
@@ -135,11 +139,6 @@ class Batcher:
         packed = build_packed_arrays(groups, plan, cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
         metrics = self._metrics(groups, plan, short, wait_s, policy_version)
         return Batch(packed, groups, metrics, policy_version)
-
-    def padding_arrays(self) -> PackedArrays:
-        """A batch of padding only, shaped like every batch (to compile the learner's step before data comes)."""
-        cfg = self.config
-        return build_packed_arrays([], BatchPlan(), cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
 
     def short_envs(self) -> list[str]:
         """The envs whose buffers cannot fill their share of a batch now."""

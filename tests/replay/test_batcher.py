@@ -199,7 +199,7 @@ def test_padding_arrays_are_shaped_like_every_batch_and_hold_no_token():
     buffer = ReplayBuffer("a")
     buffer.add(make_group([1.0, 0.0], env="a", group_id="g", completion_lens=[60, 60]))
     batcher = Batcher({"a": buffer}, {"a": 1.0}, BatcherConfig(total_token_budget=512, max_seq_len=128, max_wait_s=0.0))
-    padding, batch = batcher.padding_arrays(), batcher.next_batch(policy_version=0).packed
+    padding, batch = batcher.config.padding_arrays(), batcher.next_batch(policy_version=0).packed
     for field in dataclasses.fields(batch):
         real, pad = getattr(batch, field.name), getattr(padding, field.name)
         assert (None if real is None else (real.shape, real.dtype)) == (None if pad is None else (pad.shape, pad.dtype)), field.name
