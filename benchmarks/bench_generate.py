@@ -27,6 +27,7 @@ SIZES = {
     # hidden, intermediate, layers, heads, kv heads, vocab
     "tiny": (64, 256, 2, 4, 2, 1000),
     "1b": (2048, 8192, 16, 32, 8, 32000),
+    "0.5b": (1024, 4096, 24, 16, 16, 128),  # bench_loop.py's model (its char vocabulary rounded up)
 }
 
 
@@ -141,6 +142,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="engine context (and KV cache per slot); default prompt + new tokens")
+    parser.add_argument("--profile", default=None, help="trace one more engine run (the last row's shape) into this dir; print its top ops")
     args = parser.parse_args()
 
     import jax
@@ -149,7 +152,7 @@ def main() -> None:
     from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
     from marin_rl.tokenizer import load_tokenizer
 
-    max_len = args.prompt_len + max(args.new_tokens)
+    max_len = args.max_seq_len or args.prompt_len + max(args.new_tokens)
     max_seqs = max(args.concurrency)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     start = time.perf_counter()
@@ -190,6 +193,12 @@ def main() -> None:
                 row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
             print(json.dumps(row), flush=True)
             rows.append(row)
+    if args.profile:
+        from bench_learner import print_top_ops
+
+        with jax.profiler.trace(args.profile):
+            engine_run(engine, jobs_for(rows[-1]["concurrency"], args.prompt_len, rows[-1]["new_tokens"], vocab, 3))
+        print_top_ops(args.profile)
     stats = engine.stats
     server.shutdown()
     assert stats.errors == 0 and stats.pages_in_use == 0, stats

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--attn-backend", default="default", choices=["default", "jax_flash", "vanilla", "nvte", "splash", "cudnn"]
     )
+    parser.add_argument("--cudnn-max-segments", type=int, default=16, help="cudnn: packed layout up to this many segments a row (1: dense mask)")
     parser.add_argument("--flash-block-size", type=int, default=None, help="block size of Levanter's flash backends")
     parser.add_argument("--gradient-checkpointing", default="layer", choices=["layer", "none", "offload", "nested"])
     parser.add_argument("--vocab-block-size", type=int, default=16384, help="vocab columns scored at a time")
@@ -102,6 +103,7 @@ def main() -> None:
         compute_dtype=args.dtype,
         attn_backend=args.attn_backend,
         flash_block_size=args.flash_block_size,
+        cudnn_max_segments=args.cudnn_max_segments,
         gradient_checkpointing=args.gradient_checkpointing,
     )
     config = LearnerConfig(

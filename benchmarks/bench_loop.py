@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 dense bf16)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures (compilation)")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the figures of an earlier run dir")
+    parser.add_argument("--profile", default=None, help="trace --profile-seconds of the run, from --profile-after s after start, into this dir; print its top ops")
+    parser.add_argument("--profile-after", type=float, default=90.0)
+    parser.add_argument("--profile-seconds", type=float, default=5.0)
     parser.add_argument("--override", action="append", default=[], help="a further config override (--override=--runtime=ray)")
     return parser
 
@@ -57,10 +61,27 @@ def main() -> None:
     from marin_rl.orchestrator import train
 
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-loop-"))
-    config = load_config("configs/quickstart.yaml", loop_overrides(args, run_dir))
+    # Found from this file, not the working directory: Ray runs need a directory without the repo's
+    # `marin_rl/` folder in it (Ray puts the driver's directory first on its workers' import path).
+    config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"), loop_overrides(args, run_dir))
     started = time.perf_counter()
+    if args.profile:
+        threading.Thread(target=trace_window, args=(args.profile, args.profile_after, args.profile_seconds), daemon=True).start()
     train(config)
+    if args.profile:
+        from bench_learner import print_top_ops
+
+        print_top_ops(args.profile, top=25)
     summarize(run_dir, args, wall=time.perf_counter() - started)
+
+
+def trace_window(trace_dir: str, after_s: float, seconds: float) -> None:
+    """A jax.profiler trace of a window of the running loop (every thread's device work in it)."""
+    import jax
+
+    time.sleep(after_s)
+    with jax.profiler.trace(trace_dir):
+        time.sleep(seconds)
 
 
 def loop_overrides(args, run_dir: Path) -> list[str]:
@@ -121,6 +142,16 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
             f"+ install {swap['wait_']:.3f}"
         )
     print(f"broadcast seconds (every server confirmed): {np.median([r['broadcast/seconds'] for r in steady]):.3f}")
+    if "server/decode_steps" in steady[-1] and len(records) > len(steady):  # embedded engines' counters
+        before, after = records[len(records) - len(steady) - 1], steady[-1]
+        delta = {k: after[k] - before[k] for k in ("server/decode_seconds", "server/prefill_seconds", "server/decode_steps", "server/generated_tokens")}
+        busy = delta["server/decode_seconds"] + delta["server/prefill_seconds"]
+        steps = max(1.0, delta["server/decode_steps"])
+        print(
+            f"engine busy on device: {busy / steady_wall:.2f} of the wall time (prefill {delta['server/prefill_seconds']:.1f}s, "
+            f"decode {delta['server/decode_seconds']:.1f}s); decode step {1000 * delta['server/decode_seconds'] / steps:.2f} ms "
+            f"for {delta['server/generated_tokens'] / steps:.0f} tokens on average"
+        )
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")
     print(f"packing efficiency: {np.mean([r['batch/packing_efficiency'] for r in steady]):.3f}")

@@ -25,7 +25,11 @@ class AttentionKernels:
     prefill: str
     """`jax.nn.dot_product_attention`'s implementation: "cudnn" or "xla"."""
     k_splits: int = 16
-    """Pallas: partitions of a sequence's pages processed in parallel (flash-decoding)."""
+    """Pallas: at most this many partitions of a sequence's pages processed in parallel (flash-decoding);
+    `splits_for` uses fewer when the batch alone gives the GPU enough programs."""
+    min_programs: int = 2048
+    """Pallas: split sequences until batch x kv heads x splits reaches this many programs (an H100 has 132
+    SMs). Each split of a short sequence is a program with (almost) nothing to do."""
     pages_per_compute_block: int = 8
     """Pallas: pages loaded per inner step."""
     interpret: bool = False
@@ -41,6 +45,15 @@ class AttentionKernels:
         block = self.pages_per_compute_block
         per_split = 1 << (per_split - 1).bit_length() if per_split <= block else -(-per_split // block) * block
         return per_split * self.k_splits
+
+
+    def splits_for(self, batch: int, kv_heads: int) -> int:
+        """Partitions per sequence: the fewest (a power of two, at most `k_splits`) that make
+        `min_programs` programs. The table width (`table_width`) divides evenly by any of them."""
+        splits = 1
+        while splits < self.k_splits and batch * kv_heads * splits < self.min_programs:
+            splits *= 2
+        return splits
 
 
 def choose_kernels(choice: str, dtype, platform: str | None = None) -> AttentionKernels:
@@ -76,7 +89,7 @@ def decode_attention(
             v_pages,
             block_tables,
             lengths,
-            k_splits=kernels.k_splits,
+            k_splits=kernels.splits_for(q.shape[0], k_pages.shape[0]),
             pages_per_compute_block=kernels.pages_per_compute_block,
             interpret=kernels.interpret,
         ).astype(q.dtype)

@@ -290,8 +290,8 @@ class Engine:
                 self._state = self._deactivate(self._state, jnp.asarray(mask))
         admission = scheduler.admit(self._policy_version, self._score_job)
         if admission is not None:
-            start = time.perf_counter()
             with self._lock:
+                start = time.perf_counter()  # device time only, not the wait for a colocated learner's step
                 batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in admission.arrays.items()})
                 self._cache, self._state, tokens, logprobs, finished = self._prefill(
                     self._weights, self._cache, self._state, batch, self.kernels
@@ -306,8 +306,8 @@ class Engine:
             # Only the slots up to the highest one in use (a power of two: few shapes, each compiled once).
             steps = self.config.decode_steps
             slots_used = min(self.config.max_seqs, bucket(scheduler.highest_slot() + 1, MIN_DECODE_SLOTS))
-            start = time.perf_counter()
             with self._lock:
+                start = time.perf_counter()
                 self._cache, self._state, tokens, logprobs = self._decode(
                     self._weights, self._cache, self._state, self.kernels, steps, slots_used
                 )

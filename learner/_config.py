@@ -57,6 +57,10 @@ class ModelConfig:
     pure-JAX blockwise flash attention; sequences shorter than its block size use `vanilla`), `vanilla`
     (materialises [query, key] scores), `nvte` (Transformer Engine, must be installed), `splash` (TPU).
     Ours: `cudnn` (cuDNN flash attention through `jax.nn.dot_product_attention`, GPU, bf16/fp16 only)."""
+    cudnn_max_segments: int = 16
+    """`cudnn` on Hopper or later: rows of up to this many segments (packed rollouts, plus the padding at
+    the end) attend within each segment only (cuDNN's packed layout: no cross-segment work, no mask read);
+    a row with more takes a dense mask over the whole row."""
     flash_block_size: int | None = None
     """Block size of Levanter's flash backends; None uses Levanter's default (1024 for jax_flash)."""
     gradient_checkpointing: str = "layer"
@@ -69,6 +73,8 @@ class ModelConfig:
         _check_choice("ModelConfig", "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice("ModelConfig", "attn_backend", self.attn_backend, ATTENTION_BACKENDS)
         _check_choice("ModelConfig", "gradient_checkpointing", self.gradient_checkpointing, GRADIENT_CHECKPOINTING)
+        if self.cudnn_max_segments < 1:
+            raise ValueError(f"ModelConfig.cudnn_max_segments must be >= 1, got {self.cudnn_max_segments}")
         if self.family == "qwen2" and self.head_dim not in (None, self.hidden_dim // self.num_heads):
             # Levanter's Qwen2 attention always uses hidden_dim // num_heads.
             raise ValueError(

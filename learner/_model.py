@@ -82,7 +82,7 @@ def levanter_config(model_config: ModelConfig, hf_config=None) -> LlamaConfig:
 
 def _with_attention_backend(model: LmHeadModel, model_config: ModelConfig) -> LmHeadModel:
     if model_config.attn_backend == "cudnn":
-        return use_jax_nn_attention(model, "cudnn")
+        return use_jax_nn_attention(model, "cudnn", model_config.cudnn_max_segments)
     return model
 
 

@@ -14,6 +14,7 @@ import concurrent.futures
 import gc
 import logging
 import shutil
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -29,6 +30,8 @@ from marin_rl.orchestrator._resume import set_aside_abandoned
 from marin_rl.orchestrator._workers import EnvWorkers, worker_specs
 
 logger = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,11 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     # the collector's sight, full collections stop pausing every thread for 0.3-0.4 s every ~20 quickstart
     # steps. Unfrozen at the end, so that runs in one process leave nothing behind.
     gc.freeze()
+    # The engine thread, the env workers and the learner share one interpreter lock: a thread that wants it
+    # waits up to the switch interval (5 ms by default) for the holder to let go, several times per engine
+    # call. Shorter turns keep the device fed.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         broadcaster.start(learner.model, learner.policy_version)  # remote servers: this run's weights, before any sampling
         workers.start(free_running=not config.deterministic)
@@ -270,6 +278,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         raise
     finally:
         gc.unfreeze()
+        sys.setswitchinterval(switch_interval)
         # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights.
         try:
             workers.stop()

@@ -82,16 +82,31 @@ def test_pallas_block_tables_split_into_power_of_two_blocks():
     assert AttentionKernels(decode="jax", prefill="xla").table_width(72) == 72
 
 
+def test_pallas_splits_sequences_only_while_the_batch_gives_too_few_programs():
+    kernels = AttentionKernels(decode="pallas", prefill="cudnn", k_splits=16, min_programs=2048)
+    assert kernels.splits_for(1, 8) == 16  # one sequence: every split it can take
+    assert kernels.splits_for(128, 8) == 2
+    assert kernels.splits_for(256, 16) == 1  # 4,096 programs without splitting
+    for splits in (1, 2, 4, 8, 16):  # any of them divides the table into whole compute blocks
+        for pages in (1, 5, 17, 72, 300):
+            partition = kernels.table_width(pages) // splits
+            assert partition * splits == kernels.table_width(pages)
+            assert partition % min(partition, kernels.pages_per_compute_block) == 0
+
+
 @pytest.mark.slow
-def test_pallas_kernel_in_the_interpreter_equals_the_dense_reference():
-    kernels = AttentionKernels(decode="pallas", prefill="xla", k_splits=4, pages_per_compute_block=2, interpret=True)
+@pytest.mark.parametrize("min_programs", [1, 64])  # one split (the whole table per program), and four
+def test_pallas_kernel_in_the_interpreter_equals_the_dense_reference(min_programs):
+    kernels = AttentionKernels(decode="pallas", prefill="xla", k_splits=4, pages_per_compute_block=2, min_programs=min_programs, interpret=True)
+    assert kernels.splits_for(2, 2) == (1 if min_programs == 1 else 4)
     check_decode(kernels, jnp.float32, 1e-4, 3, batch=2, heads=4, kv_heads=2, head_dim=16, pages_per_seq=6)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs a GPU")
 @pytest.mark.parametrize("pages_per_seq", [3, 20, 72])
-def test_pallas_kernel_on_gpu_equals_the_dense_reference(pages_per_seq):
-    kernels = AttentionKernels(decode="pallas", prefill="cudnn")
+@pytest.mark.parametrize("min_programs", [1, 2048])
+def test_pallas_kernel_on_gpu_equals_the_dense_reference(pages_per_seq, min_programs):
+    kernels = AttentionKernels(decode="pallas", prefill="cudnn", min_programs=min_programs)
     check_decode(kernels, jnp.bfloat16, 2e-2, pages_per_seq, batch=9, heads=32, kv_heads=8, head_dim=64, page_size=16, pages_per_seq=pages_per_seq)
 
 
