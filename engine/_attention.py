@@ -46,7 +46,6 @@ class AttentionKernels:
         per_split = 1 << (per_split - 1).bit_length() if per_split <= block else -(-per_split // block) * block
         return per_split * self.k_splits
 
-
     def splits_for(self, batch: int, kv_heads: int) -> int:
         """Partitions per sequence: the fewest (a power of two, at most `k_splits`) that make
         `min_programs` programs. The table width (`table_width`) divides evenly by any of them."""

@@ -24,7 +24,9 @@ from haliax import NamedArray
 from levanter.layers.attention import Attention, AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
-DEFAULT_MAX_SEGMENTS = 16
+from marin_rl.learner._config import ModelConfig
+
+DEFAULT_MAX_SEGMENTS = ModelConfig.cudnn_max_segments
 
 
 class JaxNnAttention(Attention):
