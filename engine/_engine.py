@@ -186,6 +186,10 @@ class Engine:
         vocab = self._weights.Vocab.size
         if min(job.prompt_ids) < 0 or max(job.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not 0 <= job.top_k <= vocab:
+            raise ValueError(f"top_k={job.top_k} must be in [0, {vocab}] (0: no top-k)")
+        if not 0 < job.top_p <= 1 or not 0 <= job.temperature < float("inf"):
+            raise ValueError(f"top_p={job.top_p} must be in (0, 1] and temperature={job.temperature} finite and >= 0")
         if len(job.stop_sequences) > config.max_stop_sequences or any(
             not 0 < len(s) <= config.max_stop_tokens for s in job.stop_sequences
         ):
@@ -269,7 +273,7 @@ class Engine:
                 logger.exception("inference engine failure; its requests get the error and the engine is reset")
                 self.stats.errors += 1
                 scheduler.fail_all(e)
-                self.pages.check_idle()
+                self._check_idle_after_failure()
                 self._reset_device_state()
             self._publish()
         with self._cv:
@@ -319,6 +323,18 @@ class Engine:
             self._complete(scheduler.record_chunk(tokens, logprobs, active))
         if scheduler.idle:
             self.pages.check_idle()
+
+    def _check_idle_after_failure(self) -> None:
+        """Every page is free once the failed requests are answered; if not (a bug), the engine starts over
+        with a fresh allocator rather than letting its thread die with the requests still queued."""
+        try:
+            self.pages.check_idle()
+        except AssertionError:
+            logger.exception("KV pages still referenced after a failure; the page allocator is reset")
+            queued = self.scheduler.queue
+            self.pages = PageAllocator(self.cache_spec.num_pages)
+            self.scheduler = Scheduler(self.config, self.pages, self.table_width)
+            self.scheduler.queue = queued
 
     def _complete(self, jobs) -> None:
         for running in jobs:

@@ -127,7 +127,12 @@ class Scheduler:
             longest = max(longest, len(job.prompt_ids))
         if not chosen:
             return None
-        return self._build(chosen, free_slots, policy_version, score)
+        try:
+            return self._build(chosen, free_slots, policy_version, score)
+        except Exception as e:  # taken from the queue: answered here (those already running, again by fail_all)
+            for job in chosen:
+                complete(job.future, error=e)
+            raise
 
     def empty_batch(self, rows: int, time: int) -> dict[str, np.ndarray]:
         """The arrays of a `PrefillBatch` that changes nothing: no prompt token written, no slot new."""
@@ -158,12 +163,12 @@ class Scheduler:
         slot_iter = iter(free_slots)
         for row, job in enumerate(chosen):
             prompt = len(job.prompt_ids)
+            scores = score(job) if job.prompt_logprobs is not None else None  # a device call: before any page is taken
             shared_count, own_count = self.pages_needed(job)
             shared = self.pages.allocate(shared_count)
             for _ in range(job.n - 1):
                 self.pages.share(shared)
             own = [self.pages.allocate(own_count) for _ in range(job.n)]
-            scores = score(job) if job.prompt_logprobs is not None else None
             running = RunningJob(job, policy_version, scores, shared, own, [None] * job.n, [[] for _ in range(job.n)], [[] for _ in range(job.n)])
             a["token_ids"][row, :prompt] = job.prompt_ids
             a["lengths"][row] = prompt

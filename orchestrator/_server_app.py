@@ -140,7 +140,7 @@ class RequestHandler:
                     seed,
                     stop_sequences,
                     top_p=request.top_p if request.top_p is not None else 1.0,
-                    top_k=max(request.top_k or 0, 0),
+                    top_k=min(max(request.top_k or 0, 0), self.vocab_size),  # past the vocabulary: keep all (as vLLM)
                     prompt_logprobs=k,
                 )
             )

@@ -190,6 +190,9 @@ def test_impossible_requests_are_refused_at_submit(family_engine):
         (job([1, 2], n=9), "max_seqs"),
         (job([VOCAB]), "token ids"),
         (job([]), "empty"),
+        (job([1, 2], top_k=2**40), "top_k"),  # would not fit the device's int32 (it once killed the engine)
+        (job([1, 2], top_p=0.0), "top_p"),
+        (job([1, 2], temperature=float("inf")), "temperature"),
     ]:
         with pytest.raises(ValueError, match=match):
             engine.submit(bad)
@@ -215,5 +218,50 @@ def test_a_failed_device_call_answers_its_requests_and_the_queued_ones_are_serve
             running.future.result(timeout=120)
         assert [len(s.token_ids) for s in queued.future.result(timeout=120).samples] == [12, 12]
         assert engine.stats.errors == 1 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+
+
+def test_a_failed_admission_answers_its_requests_frees_their_pages_and_the_engine_serves_on():
+    engine = Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4), tiny("llama"))
+    score = engine._score_job
+
+    def scoring_fails(job):
+        raise RuntimeError("scoring the prompt failed")
+
+    engine._score_job = scoring_fails
+    try:
+        failed = job([1, 2, 3] * 7, n=2, max_tokens=4, prompt_logprobs=1)  # full prompt pages to share
+        engine.submit(failed)
+        with pytest.raises(RuntimeError, match="scoring the prompt failed"):
+            failed.future.result(timeout=120)
+        engine._score_job = score
+        served = job([4, 5, 6] * 7, n=2, max_tokens=4, prompt_logprobs=1)
+        engine.submit(served)
+        result = served.future.result(timeout=120)
+        assert [len(s.token_ids) for s in result.samples] == [4, 4] and result.prompt_scores is not None
+        assert engine.stats.errors == 1 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+
+
+def test_pages_leaked_by_a_failure_reset_the_allocator_instead_of_stopping_the_engine():
+    engine = Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4), tiny("llama"))
+
+    def leaks_then_fails(chosen, *args):
+        engine.pages.allocate(3)  # as a bug between taking pages and recording them would
+        raise RuntimeError("admission failed")
+
+    engine.scheduler._build = leaks_then_fails
+    try:
+        failed = job([1, 2, 3], max_tokens=4)
+        engine.submit(failed)
+        with pytest.raises(RuntimeError, match="admission failed"):
+            failed.future.result(timeout=120)
+        served = job([4, 5, 6], n=2, max_tokens=4)  # served by a fresh scheduler (the patched one fails all)
+        engine.submit(served)
+        assert [len(s.token_ids) for s in served.future.result(timeout=120).samples] == [4, 4]
+        assert engine.stats.errors == 1 and engine.stats.pages_in_use == 0
+        assert engine._thread.is_alive()
     finally:
         engine.stop()

@@ -169,7 +169,8 @@ def test_top_p_and_top_k_reach_the_engine():
     worker = ScriptedWorker([ids("a")])
     chat(client_for(worker), max_tokens=1, top_p=0.5, extra_body={"top_k": 5})
     chat(client_for(worker), max_tokens=1, extra_body={"top_k": -1})
-    assert [(j.top_p, j.top_k) for j in worker.jobs] == [(0.5, 5), (1.0, 0)]
+    chat(client_for(worker), max_tokens=1, extra_body={"top_k": 2**40})  # past the vocabulary: keep every token
+    assert [(j.top_p, j.top_k) for j in worker.jobs] == [(0.5, 5), (1.0, 0), (1.0, VOCAB)]
 
 
 def test_a_prompt_filling_the_context_is_refused():
