@@ -99,8 +99,7 @@ class Engine:
         self._decode = eqx.filter_jit(decode_chunk, donate="all-except-first")
         self._deactivate = eqx.filter_jit(deactivate, donate="all")
         self._score = eqx.filter_jit(score_prompt)
-        self.pages = PageAllocator(self.cache_spec.num_pages)
-        self.scheduler = Scheduler(config, self.pages, self.table_width)
+        self._new_allocator()
         self._reset_device_state()
         if config.precompile_prompt_lens:
             self._precompile(config.precompile_prompt_lens)
@@ -332,9 +331,13 @@ class Engine:
         except AssertionError:
             logger.exception("KV pages still referenced after a failure; the page allocator is reset")
             queued = self.scheduler.queue
-            self.pages = PageAllocator(self.cache_spec.num_pages)
-            self.scheduler = Scheduler(self.config, self.pages, self.table_width)
+            self._new_allocator()
             self.scheduler.queue = queued
+
+    def _new_allocator(self) -> None:
+        """Every KV page free, every slot empty."""
+        self.pages = PageAllocator(self.cache_spec.num_pages)
+        self.scheduler = Scheduler(self.config, self.pages, self.table_width)
 
     def _complete(self, jobs) -> None:
         for running in jobs:
