@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -64,6 +65,18 @@ def engine_run(engine, jobs) -> tuple[float, float, float]:
     tokens = sum(len(s.token_ids) for r in results for s in r.samples)
     step_ms = 1000 * (engine.stats.decode_seconds - seconds) / max(1, engine.stats.decode_steps - steps)
     return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in jobs), step_ms
+
+
+def prefill_run(engine, jobs) -> tuple[float, float]:
+    """(ms per prefill call, ms of wall time per job) for `jobs` sent one after the other, each a group
+    that ends at its first token: the pattern of env workers that each submit one group at a time."""
+    calls, seconds = engine.stats.prefill_calls, engine.stats.prefill_seconds
+    start = time.perf_counter()
+    for job in jobs:
+        engine.submit(job)
+        job.future.result()
+    wall = time.perf_counter() - start
+    return 1000 * (engine.stats.prefill_seconds - seconds) / (engine.stats.prefill_calls - calls), 1000 * wall / len(jobs)
 
 
 def http_run(server, jobs) -> tuple[float, float]:
@@ -144,6 +157,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--max-seq-len", type=int, default=None, help="engine context (and KV cache per slot); default prompt + new tokens")
     parser.add_argument("--profile", default=None, help="trace one more engine run (the last row's shape) into this dir; print its top ops")
+    parser.add_argument("--prefill-group", type=int, default=8, help="samples per prompt of the prefill-latency run")
+    parser.add_argument("--prefill-profile", default=None, help="trace the prefill-latency run into this dir; print its top ops")
     args = parser.parse_args()
 
     import jax
@@ -193,6 +208,19 @@ def main() -> None:
                 row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
             print(json.dumps(row), flush=True)
             rows.append(row)
+    # Prefill latency: one prompt of --prefill-group samples at a time, as an RL env worker sends them.
+    group_jobs = lambda seed: [  # noqa: E731
+        dataclasses.replace(j, n=args.prefill_group, max_tokens=1) for j in jobs_for(20, args.prompt_len, 1, vocab, seed)
+    ]
+    prefill_run(engine, group_jobs(4))
+    call_ms, job_ms = prefill_run(engine, group_jobs(5))
+    print(f"prefill, one prompt of {args.prompt_len} tokens x {args.prefill_group} samples at a time: {call_ms:.2f} ms per call, {job_ms:.2f} ms per request")
+    if args.prefill_profile:
+        from bench_learner import print_top_ops
+
+        with jax.profiler.trace(args.prefill_profile):
+            prefill_run(engine, group_jobs(6))
+        print_top_ops(args.prefill_profile)
     if args.profile:
         from bench_learner import print_top_ops
 

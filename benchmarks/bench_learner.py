@@ -182,11 +182,20 @@ def print_top_ops(trace_dir: str, top: int = 20) -> None:
     # Device streams are the processes whose name mentions the GPU (/device:GPU:0 ...).
     devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name" and "device" in str(e.get("args", {}).get("name", "")).lower()}
     totals: collections.Counter[str] = collections.Counter()
+    spans = []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices:
             totals[e["name"]] += e.get("dur", 0)
+            spans.append((e["ts"], e["ts"] + e.get("dur", 0)))
     total = sum(totals.values())
-    print(f"profile: {total / 1e3:.1f} ms of device time in {len(totals)} op names ({path})")
+    # Busy = the union of kernel intervals; the rest of the span the GPU sat idle (launch or host bound).
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+    print(f"profile: {total / 1e3:.1f} ms of device time in {len(spans)} kernels, {len(totals)} op names ({path})")
+    print(f"  device busy {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span ({busy / max(span, 1):.0%}); mean kernel {total / max(len(spans), 1):.1f} us")
     for name, dur in totals.most_common(top):
         print(f"  {dur / 1e3:9.2f} ms  {dur / max(total, 1):6.1%}  {name[:110]}")
 

@@ -26,6 +26,8 @@ SIZES = {
     # hidden, intermediate, layers, heads, kv heads
     "tiny": (64, 256, 2, 4, 4),
     "0.5b": (1024, 4096, 24, 16, 16),  # ~0.4B in the blocks (Llama-shaped; the char vocab adds little)
+    # bench_learner.py's ~1B shape (with --seq-len 4096 --max-tokens 256 --override=--server.kv_cache_tokens=131072)
+    "1b": (2048, 8192, 16, 32, 8),
 }
 
 
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=int, default=16, help="env workers (concurrent groups)")
     parser.add_argument("--budget", type=int, default=65536, help="tokens per learner batch")
     parser.add_argument("--max-seqs", type=int, default=128, help="server: sequences decoded together")
+    parser.add_argument("--seq-len", type=int, default=512, help="learner rows (packed rollouts), the model's context")
     parser.add_argument("--microbatch-rows", type=int, default=None)
     parser.add_argument("--attn-backend", default="default", help="learner attention (cudnn on GPU)")
     parser.add_argument("--server-dtype", default=None, help="server compute dtype (bfloat16 on GPU)")
@@ -87,7 +90,7 @@ def trace_window(trace_dir: str, after_s: float, seconds: float) -> None:
 def loop_overrides(args, run_dir: Path) -> list[str]:
     """The quickstart's config turned into the benchmark's (`args` from `build_parser`)."""
     hidden, mlp, layers, heads, kv = SIZES[args.size]
-    seq_len = 512
+    seq_len = args.seq_len
     overrides = [
         f"--run_dir={run_dir}",
         f"--max_steps={args.steps}",

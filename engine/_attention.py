@@ -30,8 +30,15 @@ class AttentionKernels:
     min_programs: int = 2048
     """Pallas: split sequences until batch x kv heads x splits reaches this many programs (an H100 has 132
     SMs). Each split of a short sequence is a program with (almost) nothing to do."""
-    pages_per_compute_block: int = 8
+    # Pallas launch settings from `benchmarks/bench_decode_attention.py` (H100): one page per inner step,
+    # two warps, one stage take 52 us per layer where upstream's 8 pages, 8 warps, 2 stages took 113 us
+    # (0.5B loop shape, 256 sequences), 85 us against 129 us for the 1B shape.
+    pages_per_compute_block: int = 1
     """Pallas: pages loaded per inner step."""
+    num_warps: int = 2
+    """Pallas: warps per program."""
+    num_stages: int = 1
+    """Pallas: software-pipelining stages of the inner loop."""
     interpret: bool = False
     """Pallas: run the kernel through the interpreter (to test it on CPU)."""
 
@@ -90,6 +97,8 @@ def decode_attention(
             lengths,
             k_splits=kernels.splits_for(q.shape[0], k_pages.shape[0]),
             pages_per_compute_block=kernels.pages_per_compute_block,
+            num_warps=kernels.num_warps,
+            num_stages=kernels.num_stages,
             interpret=kernels.interpret,
         ).astype(q.dtype)
     return gathered_decode_attention(q, k_pages, v_pages, block_tables, lengths, scale)

@@ -31,7 +31,8 @@ class EngineConfig:
     precompile_prompt_lens: tuple[int, ...] = ()
     """At start, compile prefill for every number of prompts of these lengths (their power-of-two
     buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
-    waits on a compilation. Empty: each shape compiles on first use."""
+    waits on a compilation (top-p/top-k sampling has variants of its own, compiled on first use).
+    Empty: each shape compiles on first use."""
     decode_steps: int = 16
     """Decode steps per device call before the host collects finished sequences and admits new ones."""
     compute_dtype: str | None = None

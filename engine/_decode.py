@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from marin_rl.engine._attention import AttentionKernels
 from marin_rl.engine._forward import decode_forward, prefill_forward, prompt_logits
-from marin_rl.engine._kv_cache import KvCache, copy_pages
+from marin_rl.engine._kv_cache import KvCache
 from marin_rl.engine._pages import SCRATCH_PAGE
 from marin_rl.engine._sampling import NO_TOKEN, hits_stop, push_history, sample, sample_key_data
 from marin_rl.engine._weights import ServingWeights
@@ -69,10 +69,11 @@ class PrefillBatch(eqx.Module):
     """Prompt length of each row (0 for padding rows)."""
     write_pages: Int[Array, "rows time"]
     """Page each prompt token's keys/values go to; out of range (dropped) for padding."""
-    copy_src: Int[Array, " slots"]
-    """Partial last prompt pages copied to the other samples of the prompt: page copy_src[i] ->
-    copy_dst[i] (out-of-range dst: no copy)."""
-    copy_dst: Int[Array, " slots"]
+    copy_tokens: Int[Array, " copies"]
+    """The prompt tokens of a partial last page are written again into the own page of each other
+    sample of the prompt: token `copy_tokens[i]` (an index into the flattened `[rows * time]`
+    prompts) also goes to page `copy_pages[i]` (out of range: unused entry)."""
+    copy_pages: Int[Array, " copies"]
     is_new: Bool[Array, " slots"]
     prompt_row: Int[Array, " slots"]
     """Row of `token_ids` a new slot samples from."""
@@ -86,16 +87,18 @@ class PrefillBatch(eqx.Module):
     stops: Int[Array, "slots stops stop_len"]
 
 
-def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, batch: PrefillBatch, kernels: AttentionKernels):
-    """Prefill the prompts, draw each new sample's first token, and install the new slots.
+def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, batch: PrefillBatch, kernels: AttentionKernels, truncate: bool):
+    """Prefill the prompts, draw each new sample's first token, and install the new slots (`truncate`:
+    whether any new sample uses top-p/top-k, see `sample`).
 
     Returns `(cache, state, first_tokens, first_logprobs, finished)`, the last three per slot (only the
     new slots' entries mean anything); a sample whose first token ends it is never active."""
-    logits, cache = prefill_forward(weights, kernels, cache, batch.token_ids, batch.lengths, batch.write_pages)
-    cache = copy_pages(cache, batch.copy_src, batch.copy_dst)
+    logits, cache = prefill_forward(
+        weights, kernels, cache, batch.token_ids, batch.lengths, batch.write_pages, batch.copy_tokens, batch.copy_pages
+    )
     positions = batch.lengths[batch.prompt_row]  # the first sampled token follows the prompt
     keys = sample_key_data(batch.seed_keys, batch.sample_index)
-    tokens, logprobs = sample(logits[batch.prompt_row], keys, positions, batch.temperature, batch.top_p, batch.top_k)
+    tokens, logprobs = sample(logits[batch.prompt_row], keys, positions, batch.temperature, batch.top_p, batch.top_k, truncate=truncate)
     history = push_history(jnp.full_like(state.history, NO_TOKEN), tokens, batch.is_new)
     finished = hits_stop(history, batch.stops) | (positions >= batch.end_position)
     new = SlotState(
@@ -119,9 +122,12 @@ def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, ba
     return cache, jax.tree.map(merge, new, state), tokens, logprobs, finished
 
 
-def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kernels: AttentionKernels, steps: int, slots_used: int):
+def decode_chunk(
+    weights: ServingWeights, cache: KvCache, state: SlotState, kernels: AttentionKernels, steps: int, slots_used: int, truncate: bool
+):
     """`steps` decode steps for the first `slots_used` slots (idle ones among them compute but write
-    only to the scratch page; the host fills slots from the lowest index, so few requests cost little).
+    nothing; the host fills slots from the lowest index, so few requests cost little).
+    `truncate`: whether any of them uses top-p/top-k (see `sample`).
 
     Returns `(cache, state, tokens [slots_used, steps], logprobs [slots_used, steps])`; a slot's token
     is -1 at the steps it was not active."""
@@ -132,10 +138,12 @@ def decode_chunk(weights: ServingWeights, cache: KvCache, state: SlotState, kern
 
     def step(carry, _):
         cache, s = carry
-        write_pages = jnp.where(s.active, s.block_tables[slots, s.positions // page_size], SCRATCH_PAGE)
+        # Idle slots write nowhere (out of range): the active ones' targets are distinct, as
+        # `write_tokens` needs.
+        write_pages = jnp.where(s.active, s.block_tables[slots, s.positions // page_size], cache.keys[0].shape[1])
         logits, cache = decode_forward(weights, kernels, cache, s.tokens, s.positions, s.block_tables, write_pages)
         next_positions = s.positions + 1
-        tokens, logprobs = sample(logits, s.keys, next_positions, s.temperature, s.top_p, s.top_k)
+        tokens, logprobs = sample(logits, s.keys, next_positions, s.temperature, s.top_p, s.top_k, truncate=truncate)
         history = push_history(s.history, tokens, s.active)
         finished = s.active & (hits_stop(history, s.stops) | (next_positions >= s.end_position))
         emitted = jnp.where(s.active, tokens, -1)

@@ -146,13 +146,15 @@ class Engine:
             while rows <= rows_bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
                 batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in self.scheduler.empty_batch(rows, time_bucket).items()})
                 with self._lock:
-                    self._cache, self._state, *_ = self._prefill(self._weights, self._cache, self._state, batch, self.kernels)
+                    self._cache, self._state, *_ = self._prefill(self._weights, self._cache, self._state, batch, self.kernels, False)
                 rows, shapes = 4 * rows, shapes + 1
         slots = MIN_DECODE_SLOTS
         while True:
             slots_used = min(slots, config.max_seqs)
             with self._lock:
-                self._cache, self._state, *_ = self._decode(self._weights, self._cache, self._state, self.kernels, config.decode_steps, slots_used)
+                self._cache, self._state, *_ = self._decode(
+                    self._weights, self._cache, self._state, self.kernels, config.decode_steps, slots_used, False
+                )
             shapes += 1
             if slots_used == config.max_seqs:
                 break
@@ -297,7 +299,7 @@ class Engine:
                 start = time.perf_counter()  # device time only, not the wait for a colocated learner's step
                 batch = PrefillBatch(**{k: jnp.asarray(v) for k, v in admission.arrays.items()})
                 self._cache, self._state, tokens, logprobs, finished = self._prefill(
-                    self._weights, self._cache, self._state, batch, self.kernels
+                    self._weights, self._cache, self._state, batch, self.kernels, admission.truncate
                 )
                 tokens, logprobs, finished = jax.device_get((tokens, logprobs, finished))
             self.stats.prefill_seconds += time.perf_counter() - start
@@ -312,7 +314,7 @@ class Engine:
             with self._lock:
                 start = time.perf_counter()
                 self._cache, self._state, tokens, logprobs = self._decode(
-                    self._weights, self._cache, self._state, self.kernels, steps, slots_used
+                    self._weights, self._cache, self._state, self.kernels, steps, slots_used, scheduler.truncating
                 )
                 tokens, logprobs, active = jax.device_get((tokens, logprobs, self._state.active[:slots_used]))
             self.stats.decode_seconds += time.perf_counter() - start

@@ -69,7 +69,7 @@ def decode_forward(
     write_pages: jax.Array,
 ) -> tuple[jax.Array, KvCache]:
     """One token per sequence: write its keys/values at `positions` into page `write_pages[b]`
-    (the scratch page for idle slots), attend to the sequence so far; float32 logits `[b, vocab]`."""
+    (out of range for idle slots: dropped), attend to the sequence so far; float32 logits `[b, vocab]`."""
     page_size = cache.keys[0].shape[2]
     scale = attention_scale(weights)
     offsets = positions % page_size
@@ -92,21 +92,31 @@ def prefill_forward(
     token_ids: jax.Array,
     lengths: jax.Array,
     write_pages: jax.Array,
+    copy_tokens: jax.Array,
+    copy_pages: jax.Array,
 ) -> tuple[jax.Array, KvCache]:
     """Whole prompts `[p, t]` (row r holds `lengths[r]` tokens, then padding): write every token's
-    keys/values into page `write_pages[r, t]` (out of range for padding: dropped); float32 logits
-    `[p, vocab]` of each prompt's last token."""
+    keys/values into page `write_pages[r, t]` (out of range for padding: dropped), and token
+    `copy_tokens[i]` of the flattened prompts again into page `copy_pages[i]` (the other samples'
+    copies of partial pages); float32 logits `[p, vocab]` of each prompt's last token."""
     p, t = token_ids.shape
     page_size = cache.keys[0].shape[2]
     scale = attention_scale(weights)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
     offsets = (positions % page_size).reshape(-1)
-    pages = write_pages.reshape(-1)
+    # Written from the fresh keys/values, not copied page to page inside the cache: a scatter whose
+    # source is the cache it updates made XLA copy the whole cache on the GPU (17 ms per prefill).
+    offsets = jnp.concatenate([offsets, offsets[copy_tokens]])
+    pages = jnp.concatenate([write_pages.reshape(-1), copy_pages])
     keys, values = [], []
 
+    def tokens_and_copies(x):
+        flat = x.reshape(p * t, *x.shape[2:])
+        return jnp.concatenate([flat, flat[copy_tokens]])
+
     def attend(i, q, k, v):
-        keys.append(write_tokens(cache.keys[i], k.reshape(p * t, *k.shape[2:]), pages, offsets))
-        values.append(write_tokens(cache.values[i], v.reshape(p * t, *v.shape[2:]), pages, offsets))
+        keys.append(write_tokens(cache.keys[i], tokens_and_copies(k), pages, offsets))
+        values.append(write_tokens(cache.values[i], tokens_and_copies(v), pages, offsets))
         return prefill_attention(kernels, q, k, v, lengths, scale)
 
     hidden = hidden_states(weights, token_ids, positions, attend)

@@ -87,11 +87,12 @@ class KvCache(eqx.Module):
 def write_tokens(pages: jax.Array, new: jax.Array, page_ids: jax.Array, offsets: jax.Array) -> jax.Array:
     """One scatter: `new[i]` (`[kv_heads, head_dim]`) into page `page_ids[i]` at `offsets[i]`.
 
-    Index `num_pages` (out of range) drops the write."""
-    return pages.at[:, page_ids, offsets].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
+    Index `num_pages` (out of range) drops the write. The in-range targets must be distinct (each
+    token has its own place): the scatter is told so, which makes it cheaper on a GPU."""
+    kv_heads, num_pages, page_size, head_dim = pages.shape
+    # One index into the (page, offset) rows rather than two: a simpler scatter, also measurably faster.
+    rows = jnp.where(page_ids < num_pages, page_ids * page_size + offsets, num_pages * page_size)
+    flat = pages.reshape(kv_heads, num_pages * page_size, head_dim)
+    flat = flat.at[:, rows].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop", unique_indices=True)
+    return flat.reshape(pages.shape)
 
-
-def copy_pages(cache: KvCache, src: jax.Array, dst: jax.Array) -> KvCache:
-    """Copy whole pages `src[i]` -> `dst[i]` in every layer (out-of-range `dst` entries are skipped)."""
-    move = lambda pages: pages.at[:, dst].set(pages[:, src], mode="drop")  # noqa: E731
-    return KvCache(tuple(move(k) for k in cache.keys), tuple(move(v) for v in cache.values))

@@ -28,23 +28,22 @@ def sample_key_data(seed_keys: jax.Array, sample_index: jax.Array) -> jax.Array:
     return jax.vmap(fold)(seed_keys, sample_index)
 
 
-def sample(logits, base_keys, positions, temperature, top_p, top_k):
+def sample(logits, base_keys, positions, temperature, top_p, top_k, *, truncate: bool):
     """Draw one token per row of `logits` `[batch, vocab]` (float32) at `positions` `[batch]`.
 
     Returns `(tokens, logprobs)`: the log-prob of each token under the distribution it was drawn from
     (temperature-scaled, top-p/top-k truncated and renormalised); greedy rows (temperature 0) take the
-    argmax and report its log-prob under the model's own distribution."""
+    argmax and report its log-prob under the model's own distribution.
+
+    `truncate` (static) is whether any row may ask for top-p/top-k (`truncates`): the host knows, and
+    False compiles the sort out. (A `lax.cond` on the rows would make the GPU wait for the host each
+    step: XLA reads its predicate back.)"""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
-    truncating = ~greedy & ((top_p < 1) | (top_k > 0))
-    # The sort behind top-p/top-k runs only when some row asks for it, and changes only those rows.
-    logp = jax.lax.cond(
-        jnp.any(truncating),
-        lambda lp: jnp.where(truncating[:, None], _truncate(lp, top_p, top_k), lp),
-        lambda lp: lp,
-        logp,
-    )
+    if truncate:
+        truncating = ~greedy & ((top_p < 1) | (top_k > 0))
+        logp = jnp.where(truncating[:, None], _truncate(logp, top_p, top_k), logp)
 
     def draw(key_data, position, row):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
@@ -53,6 +52,11 @@ def sample(logits, base_keys, positions, temperature, top_p, top_k):
     drawn = jax.vmap(draw)(base_keys, positions, logp)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def truncates(temperature: float, top_p: float, top_k: int) -> bool:
+    """Whether a request's sampling cuts the distribution (host side; see `sample`'s `truncate`)."""
+    return temperature > 0 and (top_p < 1 or top_k > 0)
 
 
 def _truncate(logp, top_p, top_k):

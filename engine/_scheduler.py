@@ -20,7 +20,7 @@ import numpy as np
 from marin_rl.engine._config import EngineConfig
 from marin_rl.engine._pages import SCRATCH_PAGE, PageAllocator
 from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
-from marin_rl.engine._sampling import STOP_PAD, seed_key_data
+from marin_rl.engine._sampling import STOP_PAD, seed_key_data, truncates
 
 MIN_PREFILL_TIME = 16
 
@@ -66,6 +66,8 @@ class Admission:
     jobs: list[RunningJob]
     arrays: dict[str, np.ndarray]
     new_slots: list[int]
+    truncate: bool
+    """Whether any of the jobs samples with top-p/top-k."""
 
 
 class Scheduler:
@@ -94,6 +96,11 @@ class Scheduler:
         shared = prompt // size
         # The last sampled token is never written to the cache: positions up to prompt + max_tokens - 2.
         return shared, -(-(prompt + job.max_tokens - 1) // size) - shared
+
+    @property
+    def truncating(self) -> bool:
+        """Whether any running job samples with top-p/top-k."""
+        return any(_truncates(r.job) for r in self.running)
 
     def highest_slot(self) -> int:
         """The highest slot index in use (-1 when none)."""
@@ -141,8 +148,8 @@ class Scheduler:
             "token_ids": np.zeros((rows, time), np.int32),
             "lengths": np.zeros(rows, np.int32),
             "write_pages": np.full((rows, time), num_pages, np.int32),
-            "copy_src": np.full(slots, SCRATCH_PAGE, np.int32),
-            "copy_dst": np.full(slots, num_pages, np.int32),
+            "copy_tokens": np.zeros(slots * (config.page_size - 1), np.int32),
+            "copy_pages": np.full(slots * (config.page_size - 1), num_pages, np.int32),
             "is_new": np.zeros(slots, bool),
             "prompt_row": np.zeros(slots, np.int32),
             "block_tables": np.full((slots, self.table_width), SCRATCH_PAGE, np.int32),
@@ -192,12 +199,14 @@ class Scheduler:
                 a["top_k"][slot] = job.top_k
                 a["end_position"][slot] = prompt + job.max_tokens - 1
                 a["stops"][slot] = stops
-                if i > 0 and prompt % size:  # each sample writes its own copy of the partial prompt page
-                    a["copy_src"][copies], a["copy_dst"][copies] = own[0][0], own[i][0]
-                    copies += 1
+                partial = prompt % size
+                if i > 0 and partial:  # each sample gets its own copy of the partial prompt page
+                    a["copy_tokens"][copies : copies + partial] = row * time + np.arange(prompt - partial, prompt)
+                    a["copy_pages"][copies : copies + partial] = own[i][0]
+                    copies += partial
             self.running.append(running)
             admitted.append(running)
-        return Admission(admitted, a, new_slots)
+        return Admission(admitted, a, new_slots, any(_truncates(j) for j in chosen))
 
     # ---------------------------------------------------------------------------------------- results
 
@@ -260,6 +269,10 @@ class Scheduler:
                 running.job.future.cancel()
             else:
                 complete(running.job.future, error=error)
+
+
+def _truncates(job: GenerationJob) -> bool:
+    return truncates(job.temperature, job.top_p, job.top_k)
 
 
 def complete(future: concurrent.futures.Future, result: JobResult | None = None, error: BaseException | None = None) -> None:

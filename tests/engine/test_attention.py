@@ -77,8 +77,10 @@ def test_gathered_decode_attention_equals_the_dense_reference(seed):
 
 
 def test_pallas_block_tables_split_into_power_of_two_blocks():
-    kernels = AttentionKernels(decode="pallas", prefill="cudnn")  # 16 splits of blocks of up to 8 pages
+    kernels = AttentionKernels(decode="pallas", prefill="cudnn", pages_per_compute_block=8)  # 16 splits of blocks of up to 8 pages
     assert [kernels.table_width(p) for p in (1, 16, 17, 72, 128, 129, 300)] == [16, 16, 32, 128, 128, 256, 384]
+    one_page = AttentionKernels(decode="pallas", prefill="cudnn", pages_per_compute_block=1)  # the default: any whole split
+    assert [one_page.table_width(p) for p in (1, 16, 17, 72, 300)] == [16, 16, 32, 80, 304]
     assert AttentionKernels(decode="jax", prefill="xla").table_width(72) == 72
 
 

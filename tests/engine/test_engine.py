@@ -107,9 +107,15 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(family_engine):
     _, _, engine = family_engine
     prompt = list(range(3, 14))
     (alone,) = run(engine, [job(prompt, n=3, max_tokens=10, seed=99)])
-    crowd = run(engine, [job(list(range(20, 20 + k)), n=1, max_tokens=10, seed=k) for k in range(1, 6)] + [job(prompt, n=3, max_tokens=10, seed=99)])
-    assert [s.token_ids for s in crowd[-1].samples] == [s.token_ids for s in alone.samples]
+    # Some of the crowd sample with top-p/top-k: the steps they share compile the truncation in, and it
+    # must leave the other rows' draws alone.
+    crowd = [job(list(range(20, 20 + k)), n=1, max_tokens=10, seed=k, top_p=0.9 if k % 2 else 1.0, top_k=5 * (k % 3)) for k in range(1, 6)]
+    crowded = run(engine, crowd + [job(prompt, n=3, max_tokens=10, seed=99)])
+    assert [s.token_ids for s in crowded[-1].samples] == [s.token_ids for s in alone.samples]
+    np.testing.assert_allclose([s.logprobs for s in crowded[-1].samples], [s.logprobs for s in alone.samples], atol=1e-5)
     assert len({tuple(s.token_ids) for s in alone.samples}) == 3  # the samples of one request differ
+    (truncated_alone,) = run(engine, [job([20], n=1, max_tokens=10, seed=1, top_p=0.9, top_k=5)])
+    assert truncated_alone.samples[0].token_ids == crowded[0].samples[0].token_ids
 
 
 def test_stop_sequences_and_max_tokens_end_completions(family_engine):

@@ -62,10 +62,12 @@ def test_samples_share_full_prompt_pages_and_own_the_partial_one():
     assert scheduler.pages.num_used == 2 + 3 * 2
     tables = admission.arrays["block_tables"][admission.new_slots]
     assert all(list(t[:2]) == running.shared_pages for t in tables)
-    # The prompt is written once, through sample 0's pages; samples 1 and 2 get copies of its partial page.
+    # The prompt is written once, through sample 0's pages; its partial page's tokens (8 and 9) are
+    # written again into the own first page of samples 1 and 2, and nothing else is.
     assert list(admission.arrays["write_pages"][0, :10]) == [p for p in running.shared_pages + running.own_pages[0][:1] for _ in range(4)][:10]
-    copies = sorted(zip(admission.arrays["copy_src"][:2], admission.arrays["copy_dst"][:2]))
-    assert copies == sorted((running.own_pages[0][0], running.own_pages[i][0]) for i in (1, 2))
+    used = admission.arrays["copy_pages"] < scheduler.pages.num_pages
+    copies = list(zip(admission.arrays["copy_tokens"][used], admission.arrays["copy_pages"][used]))
+    assert copies == [(t, running.own_pages[i][0]) for i in (1, 2) for t in (8, 9)]
     for slot in admission.new_slots:
         scheduler._finish(slot)
     scheduler.pages.check_idle()

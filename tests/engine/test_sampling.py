@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marin_rl.engine._sampling import NO_TOKEN, STOP_PAD, hits_stop, push_history, sample, sample_key_data, seed_key_data
+from marin_rl.engine._sampling import NO_TOKEN, STOP_PAD, hits_stop, push_history, sample, sample_key_data, seed_key_data, truncates
 
 
 def keys_for(seeds, samples):
     return sample_key_data(jnp.asarray(np.stack([seed_key_data(s) for s in seeds])), jnp.asarray(samples, jnp.int32))
 
 
-def draw(logits, seeds, samples, positions, temperature, top_p=1.0, top_k=0):
+def draw(logits, seeds, samples, positions, temperature, top_p=1.0, top_k=0, truncate=None):
     b = len(seeds)
     return sample(
         jnp.asarray(logits, jnp.float32),
@@ -20,6 +20,7 @@ def draw(logits, seeds, samples, positions, temperature, top_p=1.0, top_k=0):
         jnp.full(b, temperature, jnp.float32),
         jnp.full(b, top_p, jnp.float32),
         jnp.full(b, top_k, jnp.int32),
+        truncate=truncates(temperature, top_p, top_k) if truncate is None else truncate,
     )
 
 
@@ -33,6 +34,15 @@ def test_top_p_and_top_k_keep_the_right_tokens_and_renormalise():
         assert set(tokens) == set(kept)  # 400 draws see every kept token
         expected = np.log(probs[tokens] / probs[kept].sum())
         np.testing.assert_allclose(np.asarray(logprobs), expected, rtol=1e-5)
+
+
+def test_rows_that_do_not_truncate_draw_the_same_with_the_truncation_compiled_in():
+    logits = np.random.default_rng(3).standard_normal((8, 50))
+    for temperature, top_p, top_k in [(1.0, 1.0, 0), (0.0, 0.5, 3)]:  # no cut asked, and greedy (which ignores one)
+        plain = draw(logits, range(8), range(8), [2] * 8, temperature, top_p, top_k, truncate=False)
+        compiled_in = draw(logits, range(8), range(8), [2] * 8, temperature, top_p, top_k, truncate=True)
+        np.testing.assert_array_equal(np.asarray(plain[0]), np.asarray(compiled_in[0]))
+        np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(compiled_in[1]))
 
 
 def test_logprobs_follow_the_temperature_and_greedy_takes_the_argmax():
