@@ -40,6 +40,10 @@ class BatcherConfig:
     """A rollout longer than max_seq_len is rejected (counted, in rejects.jsonl) or cut and marked truncated."""
     pad_token_id: int = 0
     """Token id written into padding (never attended, never in a loss)."""
+    max_rollouts_per_row: int | None = None
+    """At most this many rollouts share a row; None: as many as fit. With `model.attn_backend: cudnn`,
+    `train` sets it to `model.cudnn_max_segments - 1` when unset: a row with more segments (its
+    padding counts as one) would make the learner's batch take the slower dense mask."""
 
     def __post_init__(self):
         if self.max_seq_len < 1:
@@ -49,6 +53,8 @@ class BatcherConfig:
                 f"batcher.total_token_budget ({self.total_token_budget}) must be at least one row of "
                 f"max_seq_len ({self.max_seq_len})"
             )
+        if self.max_rollouts_per_row is not None and self.max_rollouts_per_row < 1:
+            raise ValueError(f"batcher.max_rollouts_per_row must be >= 1 or null, got {self.max_rollouts_per_row}")
         if self.overlong not in ("reject", "truncate"):
             raise ValueError(f"batcher.overlong must be 'reject' or 'truncate', got {self.overlong!r}")
 
@@ -130,6 +136,7 @@ class Batcher:
             self.credit,
             cfg.num_rows,
             cfg.max_seq_len,
+            cfg.max_rollouts_per_row,
         )
         groups: list[ScoredGroup] = []
         for env, placed in plan.placements.items():

@@ -1,8 +1,8 @@
 """Packing rollouts into fixed rows, and choosing groups across envs by token deficit.
 
 Pure functions over lengths, so they can be property-tested without rollouts:
-- `RowPacker`: best-fit placement of sequences into `num_rows` rows of `max_seq_len`; a group is
-  placed atomically (all of its rollouts or none).
+- `RowPacker`: best-fit placement of sequences into `num_rows` rows of `max_seq_len` (and at most
+  `max_per_row` sequences a row); a group is placed atomically (all of its rollouts or none).
 - `plan_batch`: deficit round-robin over envs (the env furthest below its share goes next), newest
   group first within an env, whole groups only.
 """
@@ -18,21 +18,29 @@ MAX_CONSECUTIVE_MISSES = 64
 
 
 class RowPacker:
-    """Best-fit: each sequence goes into the fullest row that still has room for it."""
+    """Best-fit: each sequence goes into the fullest row that still has room for it (a row holding
+    `max_per_row` sequences takes no more; None: no limit)."""
 
-    def __init__(self, num_rows: int, max_seq_len: int):
+    def __init__(self, num_rows: int, max_seq_len: int, max_per_row: int | None = None):
         if num_rows < 1 or max_seq_len < 1:
             raise ValueError(f"need num_rows >= 1 and max_seq_len >= 1, got {num_rows} and {max_seq_len}")
+        if max_per_row is not None and max_per_row < 1:
+            raise ValueError(f"need max_per_row >= 1 or None, got {max_per_row}")
         self.num_rows = num_rows
         self.max_seq_len = max_seq_len
+        self.max_per_row = max_per_row
         self.fill = [0] * num_rows
+        self.count = [0] * num_rows
         self.free_tokens = num_rows * max_seq_len
-        # (free space, row) sorted ascending: bisect finds the tightest row that fits.
+        # (free space, row) sorted ascending, open rows only: bisect finds the tightest row that fits.
         self._free = [(max_seq_len, row) for row in range(num_rows)]
 
     @property
     def largest_free(self) -> int:
-        return self._free[-1][0]
+        return self._free[-1][0] if self._free else 0
+
+    def _closed(self, row: int) -> bool:
+        return self.max_per_row is not None and self.count[row] >= self.max_per_row
 
     def place_group(self, lengths: Sequence[int]) -> list[tuple[int, int]] | None:
         """Place every length or none; returns (row, offset) per length in the given order."""
@@ -56,16 +64,20 @@ class RowPacker:
         space, row = self._free.pop(k)
         offset = self.fill[row]
         self.fill[row] += length
+        self.count[row] += 1
         self.free_tokens -= length
-        bisect.insort(self._free, (space - length, row))
+        if not self._closed(row):
+            bisect.insort(self._free, (space - length, row))
         return row, offset
 
     def _unplace(self, row: int, offset: int, length: int) -> None:
         # Only the most recent placement in a row can be undone (offset must be the row's end).
         assert offset + length == self.fill[row], "groups are undone in reverse order"
         space = self.max_seq_len - self.fill[row]
-        self._free.pop(bisect.bisect_left(self._free, (space, row)))
+        if not self._closed(row):
+            self._free.pop(bisect.bisect_left(self._free, (space, row)))
         self.fill[row] -= length
+        self.count[row] -= 1
         self.free_tokens += length
         bisect.insort(self._free, (space + length, row))
 
@@ -113,6 +125,7 @@ def plan_batch(
     credit: dict[str, float],
     num_rows: int,
     max_seq_len: int,
+    max_per_row: int | None = None,
 ) -> BatchPlan:
     """Fill `num_rows` rows by deficit round-robin over envs.
 
@@ -121,7 +134,7 @@ def plan_batch(
     over many batches each env's token share converges to its share even though whole groups make
     single batches lumpy. A group that does not fit is skipped and stays for a later batch.
     """
-    packer = RowPacker(num_rows, max_seq_len)
+    packer = RowPacker(num_rows, max_seq_len, max_per_row)
     capacity = num_rows * max_seq_len
     plan = BatchPlan(placements={env: {} for env in candidates}, tokens={env: 0 for env in candidates})
     for env, share in shares.items():

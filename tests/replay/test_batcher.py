@@ -47,11 +47,12 @@ def segments_of(packed):
 @given(
     lengths=st.dictionaries(st.sampled_from(["a", "b", "c"]), env_groups, min_size=1),
     num_rows=st.integers(1, 6),
+    max_per_row=st.one_of(st.none(), st.integers(1, 4)),
 )
-def test_plan_places_whole_groups_within_rows_and_budget(lengths, num_rows):
+def test_plan_places_whole_groups_within_rows_and_budget(lengths, num_rows, max_per_row):
     candidates = {env: [GroupSpec(f"{env}{i}", tuple(g)) for i, g in enumerate(gs)] for env, gs in lengths.items()}
     shares = effective_shares({env: 1 / len(lengths) for env in lengths}, list(lengths))
-    plan = plan_batch(candidates, shares, {}, num_rows, MAX_SEQ_LEN)
+    plan = plan_batch(candidates, shares, {}, num_rows, MAX_SEQ_LEN, max_per_row)
     assert plan.total_tokens <= num_rows * MAX_SEQ_LEN
     occupied = [[] for _ in range(num_rows)]
     specs = {g.key: g for gs in candidates.values() for g in gs}
@@ -65,6 +66,7 @@ def test_plan_places_whole_groups_within_rows_and_budget(lengths, num_rows):
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), "overlap"
         assert all(end <= MAX_SEQ_LEN for _, end in spans)
         assert sum(e - s for s, e in spans) == plan.row_fill[row]
+        assert max_per_row is None or len(spans) <= max_per_row
 
 
 @settings(max_examples=25, deadline=None)
@@ -125,6 +127,19 @@ def test_row_packer_undoes_a_group_that_does_not_fit():
     assert packer.fill == [6, 6]
     assert packer.place_group([4, 4]) is not None
     assert packer.fill == [10, 10]
+
+
+def test_row_packer_closes_a_row_at_its_sequence_limit_and_reopens_it_when_a_group_is_undone():
+    packer = RowPacker(num_rows=2, max_seq_len=10, max_per_row=2)
+    assert packer.place_group([1, 1, 1]) is not None
+    assert sorted(packer.count) == [1, 2] and sorted(packer.fill) == [1, 2]
+    assert packer.place_group([1, 1]) is None  # one place left: the group is undone whole
+    assert sorted(packer.count) == [1, 2] and packer.free_tokens == 17
+    assert packer.place_group([5]) is not None  # the open row took it, though the closed one has room
+    assert sorted(packer.count) == [2, 2] and sorted(packer.fill) == [2, 6]
+    assert packer.largest_free == 0 and packer.place_group([1]) is None
+    with pytest.raises(ValueError, match="max_per_row"):
+        RowPacker(num_rows=1, max_seq_len=10, max_per_row=0)
 
 
 def test_effective_shares_give_the_remainder_to_envs_with_data():
