@@ -147,13 +147,19 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
     print(f"broadcast seconds (every server confirmed): {np.median([r['broadcast/seconds'] for r in steady]):.3f}")
     if "server/decode_steps" in steady[-1] and len(records) > len(steady):  # embedded engines' counters
         before, after = records[len(records) - len(steady) - 1], steady[-1]
-        delta = {k: after[k] - before[k] for k in ("server/decode_seconds", "server/prefill_seconds", "server/decode_steps", "server/generated_tokens")}
+        counters = ("decode_seconds", "prefill_seconds", "decode_steps", "generated_tokens", "prefill_calls", "requests")
+        delta = {f"server/{k}": after[f"server/{k}"] - before[f"server/{k}"] for k in counters}
         busy = delta["server/decode_seconds"] + delta["server/prefill_seconds"]
         steps = max(1.0, delta["server/decode_steps"])
         print(
             f"engine busy on device: {busy / steady_wall:.2f} of the wall time (prefill {delta['server/prefill_seconds']:.1f}s, "
             f"decode {delta['server/decode_seconds']:.1f}s); decode step {1000 * delta['server/decode_seconds'] / steps:.2f} ms "
             f"for {delta['server/generated_tokens'] / steps:.0f} tokens on average"
+        )
+        calls = max(1.0, delta["server/prefill_calls"])
+        print(
+            f"prefill: {delta['server/prefill_calls']:.0f} calls of {1000 * delta['server/prefill_seconds'] / calls:.1f} ms, "
+            f"{delta['server/requests'] / calls:.1f} requests (groups) each"
         )
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")

@@ -36,8 +36,8 @@ def sample(logits, base_keys, positions, temperature, top_p, top_k, *, truncate:
     argmax and report its log-prob under the model's own distribution.
 
     `truncate` (static) is whether any row may ask for top-p/top-k (`truncates`): the host knows, and
-    False compiles the sort out. (A `lax.cond` on the rows would make the GPU wait for the host each
-    step: XLA reads its predicate back.)"""
+    False compiles the sort out, where a `lax.cond` on the rows had XLA read its predicate back to the
+    host every step."""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)

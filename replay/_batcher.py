@@ -42,7 +42,7 @@ class BatcherConfig:
     """Token id written into padding (never attended, never in a loss)."""
     max_rollouts_per_row: int | None = None
     """At most this many rollouts share a row; None: as many as fit. With `model.attn_backend: cudnn`,
-    `train` sets it to `model.cudnn_max_segments - 1` when unset: a row with more segments (its
+    the run's config sets it to `model.cudnn_max_segments - 1` when unset: a row with more segments (its
     padding counts as one) would make the learner's batch take the slower dense mask."""
 
     def __post_init__(self):
