@@ -122,8 +122,9 @@ def train_command(args, console: Console) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # a third press must not interrupt the clean-up
             raise KeyboardInterrupt
-        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the step, saving rollouts and a checkpoint (again to abort)")
+        # Set before printing: a second press during the print (the user has just seen the line) aborts.
         stop.set()
+        console.print(f"[yellow]{signal.Signals(signum).name}: finishing the step, saving rollouts and a checkpoint (again to abort)")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, request_stop)

@@ -97,6 +97,6 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):
     process.wait(timeout=60)
     for reader in readers:
         reader.join()
-    assert process.returncode == 130, "".join(err)
+    assert process.returncode == 130, "".join(out + err)
     assert_quiet("".join(err), last="aborted: the rollouts are on disk; the final checkpoint was not written")
     assert read_rollouts(run_dir, env="addition")  # what was pending got written
