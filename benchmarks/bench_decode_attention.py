@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs=2, default=[16, 80], help="context lengths drawn from [lo, hi]")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--num-stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--pages-per-compute-block", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--min-programs", type=int, nargs="+", default=[2048])
@@ -87,7 +87,7 @@ def main() -> None:
         for warps, stages, block, programs in itertools.product(
             args.num_warps, args.num_stages, args.pages_per_compute_block, args.min_programs
         ):
-            kernels = dataclasses.replace(base, num_warps=warps, num_stages=stages, pages_per_compute_block=block, min_programs=programs)
+            kernels = dataclasses.replace(base, num_warps=warps, num_warps_one_head=warps, num_stages=stages, pages_per_compute_block=block, min_programs=programs)
             if kernels.table_width(pages_per_seq) != width:
                 continue
             us = time_chain(attention_chain(kernels), inputs, args.layers, args.repeats)

@@ -147,7 +147,7 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
     print(f"broadcast seconds (every server confirmed): {np.median([r['broadcast/seconds'] for r in steady]):.3f}")
     if "server/decode_steps" in steady[-1] and len(records) > len(steady):  # embedded engines' counters
         before, after = records[len(records) - len(steady) - 1], steady[-1]
-        counters = ("decode_seconds", "prefill_seconds", "decode_steps", "generated_tokens", "prefill_calls", "requests")
+        counters = ("decode_seconds", "prefill_seconds", "decode_steps", "generated_tokens", "prefill_calls", "requests", "compilations")
         delta = {f"server/{k}": after[f"server/{k}"] - before[f"server/{k}"] for k in counters}
         busy = delta["server/decode_seconds"] + delta["server/prefill_seconds"]
         steps = max(1.0, delta["server/decode_steps"])
@@ -159,7 +159,7 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
         calls = max(1.0, delta["server/prefill_calls"])
         print(
             f"prefill: {delta['server/prefill_calls']:.0f} calls of {1000 * delta['server/prefill_seconds'] / calls:.1f} ms, "
-            f"{delta['server/requests'] / calls:.1f} requests (groups) each"
+            f"{delta['server/requests'] / calls:.1f} requests (groups) each; shapes compiled meanwhile: {delta['server/compilations']:.0f}"
         )
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")

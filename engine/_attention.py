@@ -31,12 +31,15 @@ class AttentionKernels:
     """Pallas: split sequences until batch x kv heads x splits reaches this many programs (an H100 has 132
     SMs). Each split of a short sequence is a program with (almost) nothing to do."""
     # Pallas launch settings from `benchmarks/bench_decode_attention.py` (H100): one page per inner step,
-    # two warps, one stage take 52 us per layer where upstream's 8 pages, 8 warps, 2 stages took 113 us
-    # (0.5B loop shape, 256 sequences), 85 us against 129 us for the 1B shape.
+    # one stage, and two warps take 85 us per layer where upstream's 8 pages, 8 warps, 2 stages took 129 us
+    # (1B shape, 256 sequences). With one query head per KV head (the 0.5B loop shape) one warp and no
+    # padding of the query to 16 rows: 39.6 us against 113 us upstream.
     pages_per_compute_block: int = 1
     """Pallas: pages loaded per inner step."""
     num_warps: int = 2
-    """Pallas: warps per program."""
+    """Pallas: warps per program (several query heads per KV head: a tensor-core dot)."""
+    num_warps_one_head: int = 1
+    """Pallas: warps per program when each KV head has one query head (multiply-and-sum)."""
     num_stages: int = 1
     """Pallas: software-pipelining stages of the inner loop."""
     interpret: bool = False
@@ -97,7 +100,7 @@ def decode_attention(
             lengths,
             k_splits=kernels.splits_for(q.shape[0], k_pages.shape[0]),
             pages_per_compute_block=kernels.pages_per_compute_block,
-            num_warps=kernels.num_warps,
+            num_warps=kernels.num_warps_one_head if q.shape[1] == k_pages.shape[0] else kernels.num_warps,
             num_stages=kernels.num_stages,
             interpret=kernels.interpret,
         ).astype(q.dtype)

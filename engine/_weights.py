@@ -8,7 +8,7 @@ decoder layers, norms), so the engine computes exactly what the learner does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import equinox as eqx
 import jax
@@ -99,5 +99,29 @@ def check_same_architecture(served: ServingWeights, new: ServingWeights) -> None
             f"(served config {served.config}, new config {new.config})"
         )
     for i, (a, b) in enumerate(zip(served_leaves, new_leaves)):
-        if (a.shape, a.dtype) != (b.shape, b.dtype):
+        if eqx.is_array(a) != eqx.is_array(b) or (not eqx.is_array(a) and a != b):
+            raise ValueError(f"new weights: leaf {i} is {b!r}, the served model has {a!r}")
+        if eqx.is_array(a) and (a.shape, a.dtype) != (b.shape, b.dtype):
             raise ValueError(f"new weights: leaf {i} is {b.dtype}{list(b.shape)}, the served model has {a.dtype}{list(a.shape)}")
+
+
+def jit_on_leaves(fn: Callable, template: ServingWeights, *, static_argnums: tuple[int, ...] = (), donate_argnums: tuple[int, ...] = ()):
+    """`jax.jit(fn)` where `fn(weights, *args)` takes `ServingWeights`, called with `weight_leaves(weights)`
+    in their place.
+
+    A flat list of arrays is flattened by the jit's C++ dispatch; `eqx.filter_jit` re-partitions the
+    whole module in Python at every call (about 1-2 ms for a 24-layer model, per prefill and per
+    decode call). The non-array parts (configs, axes) come from `template`: `check_same_architecture`
+    keeps every installed model's equal to them."""
+    dynamic, static = eqx.partition(template, eqx.is_array)
+    treedef = jax.tree.structure(dynamic)
+
+    def call(leaves, *args):
+        return fn(eqx.combine(jax.tree.unflatten(treedef, leaves), static), *args)
+
+    return jax.jit(call, static_argnums=static_argnums, donate_argnums=donate_argnums)
+
+
+def weight_leaves(weights: ServingWeights) -> list[jax.Array]:
+    """The arrays of `weights`, in the order `jit_on_leaves` takes them."""
+    return jax.tree.leaves(eqx.filter(weights, eqx.is_array))

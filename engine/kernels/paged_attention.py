@@ -15,7 +15,9 @@
 # Copied from jax 0.10.2, jax/experimental/pallas/ops/gpu/paged_attention.py (Pallas on Triton; the
 # upstream Triton backend is deprecated, so marin-rl keeps its own copy). Modified by marin-rl: the
 # quantization scales and the logits soft cap are removed (unused), the query scale is an argument,
-# `lengths` is required, and the code is formatted to the project's style.
+# `lengths` is required, query groups under 16 heads are not padded to 16 (multiply-and-sum instead
+# of a tensor-core dot), one partition is normalised in the kernel, and the code is formatted to the
+# project's style.
 """Paged decode attention on GPU: one query token per sequence against its KV pages (Pallas/Triton)."""
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def _kernel(
     *,
     pages_per_compute_block: int,
     mask_value: float,
+    normalize: bool,
 ):
     partition_idx = pl.program_id(2)
     block_h, head_dim = q_ref.shape
@@ -62,7 +65,10 @@ def _kernel(
             block_tables = block_tables_ref[pl.ds(start_k * pages_per_compute_block, pages_per_compute_block)]
             k = k_pages_ref[block_tables].reshape(block_k, head_dim)
             v = v_pages_ref[block_tables].reshape(block_k, head_dim)
-            logits = plgpu.dot(q, k.T)  # [block_h, block_k]
+            if block_h >= 16:
+                logits = plgpu.dot(q, k.T)  # [block_h, block_k]
+            else:  # a tensor-core dot needs 16 rows: multiply and sum rather than pad q with zero rows
+                logits = jnp.sum(q[:, None, :].astype(jnp.float32) * k[None, :, :].astype(jnp.float32), axis=-1)
 
             curr_start_token_idx = (partition_idx * pages_per_partition + start_k * pages_per_compute_block) * page_size
             mask = jnp.arange(block_k) + curr_start_token_idx < lengths_ref[0]
@@ -76,7 +82,11 @@ def _kernel(
             l_prev_corr = correction * l_prev
             s_curr = jnp.exp2((logits - m_next[:, None]) * log2e)
             l_next = l_prev_corr + s_curr.sum(axis=-1)
-            o_next = correction[:, None] * o_prev + plgpu.dot(s_curr.astype(v.dtype), v)
+            if block_h >= 16:
+                values = plgpu.dot(s_curr.astype(v.dtype), v)
+            else:
+                values = jnp.sum(s_curr[:, :, None] * v[None, :, :].astype(jnp.float32), axis=1)
+            o_next = correction[:, None] * o_prev + values
             return o_next, m_next, l_next
 
         max_it = pl.cdiv(end_page_idx - start_page_idx, pages_per_compute_block)
@@ -94,6 +104,8 @@ def _kernel(
         lambda: (o, m_i, l_i),
         lambda: _compute(start_page_idx, end_page_idx, o, m_i, l_i),
     )
+    if normalize:  # the only partition: the output as it is, no combining round after the kernel
+        o = o / (l_i[:, None] + jnp.finfo(jnp.float32).eps)
     o_ref[...] = o.astype(o_ref.dtype)
     l_ref[...] = l_i
     m_ref[...] = m_i
@@ -131,7 +143,9 @@ def _unbatched(
         q_reshaped = jnp.pad(q_reshaped, ((0, 0), (0, -q_heads_per_kv_head % block_h), (0, 0)))
     head_splits = pl.cdiv(q_heads_per_kv_head, block_h)
 
-    kernel = functools.partial(_kernel, pages_per_compute_block=pages_per_compute_block, mask_value=mask_value)
+    kernel = functools.partial(
+        _kernel, pages_per_compute_block=pages_per_compute_block, mask_value=mask_value, normalize=k_splits == 1
+    )
     o, l, m = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, head_splits, k_splits),
@@ -161,6 +175,8 @@ def _unbatched(
         o = o[..., :q_heads_per_kv_head, :]
         l = l[..., :q_heads_per_kv_head]
         m = m[..., :q_heads_per_kv_head]
+    if k_splits == 1:
+        return o[0].reshape(q.shape).astype(q.dtype)
 
     # The final round of flash attention: combine the k_splits partitions.
     m_next = m.max(axis=0)
@@ -183,7 +199,7 @@ def paged_attention(
     block_tables: jax.Array,
     lengths: jax.Array,
     *,
-    block_h: int = 16,
+    block_h: int | None = None,
     pages_per_compute_block: int = 8,
     k_splits: int = 16,
     num_warps: int = 8,
@@ -199,6 +215,9 @@ def paged_attention(
       block_tables: i32[batch_size, pages_per_sequence], entries in [0, total_num_pages).
       lengths: i32[batch_size], tokens of each sequence to attend to.
 
+      block_h: query heads per program (fewer than 16 are multiplied and summed, 16 go through a
+        tensor-core dot, padded with zero rows); None: 1 when each KV head has one query head, else 16.
+
     Returns: [batch_size, num_heads, head_dim].
     """
     batch_size, num_heads, head_dim = q.shape
@@ -213,8 +232,10 @@ def paged_attention(
         raise ValueError("`block_tables`, `lengths` and `q` must have the same batch size")
     if lengths.dtype != jnp.int32:
         raise ValueError(f"The dtype of `lengths` must be int32. Got {lengths.dtype}")
-    if block_h % 16:
-        raise ValueError(f"block_h must divisible by 16, but is {block_h}.")
+    if block_h is None:  # one query head per KV head: no padding (measured faster); else a tensor-core dot
+        block_h = 1 if num_heads == num_kv_heads else 16
+    if block_h & (block_h - 1) or block_h > max(16, num_heads // num_kv_heads):
+        raise ValueError(f"block_h must be a power of two, at most max(16, query heads per KV head); got {block_h}")
 
     impl = functools.partial(
         _unbatched,

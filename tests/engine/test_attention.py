@@ -97,19 +97,23 @@ def test_pallas_splits_sequences_only_while_the_batch_gives_too_few_programs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("min_programs", [1, 64])  # one split (the whole table per program), and four
-def test_pallas_kernel_in_the_interpreter_equals_the_dense_reference(min_programs):
+@pytest.mark.parametrize("min_programs", [1, 64])  # one split (normalised in the kernel), and four (combined after it)
+@pytest.mark.parametrize("heads", [2, 6, 32])  # query heads per KV head: 1 (multiply-and-sum), 3 (padded to 4), 16 (dot)
+def test_pallas_kernel_in_the_interpreter_equals_the_dense_reference(min_programs, heads):
     kernels = AttentionKernels(decode="pallas", prefill="xla", k_splits=4, pages_per_compute_block=2, min_programs=min_programs, interpret=True)
     assert kernels.splits_for(2, 2) == (1 if min_programs == 1 else 4)
-    check_decode(kernels, jnp.float32, 1e-4, 3, batch=2, heads=4, kv_heads=2, head_dim=16, pages_per_seq=6)
+    check_decode(kernels, jnp.float32, 1e-4, 3, batch=2, heads=heads, kv_heads=2, head_dim=16, pages_per_seq=6)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs a GPU")
 @pytest.mark.parametrize("pages_per_seq", [3, 20, 72])
 @pytest.mark.parametrize("min_programs", [1, 2048])
-def test_pallas_kernel_on_gpu_equals_the_dense_reference(pages_per_seq, min_programs):
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (16, 16), (32, 2)])  # 4, 1 and 16 query heads per KV head
+def test_pallas_kernel_on_gpu_equals_the_dense_reference(pages_per_seq, min_programs, heads, kv_heads):
     kernels = AttentionKernels(decode="pallas", prefill="cudnn", min_programs=min_programs)
-    check_decode(kernels, jnp.bfloat16, 2e-2, pages_per_seq, batch=9, heads=32, kv_heads=8, head_dim=64, page_size=16, pages_per_seq=pages_per_seq)
+    check_decode(
+        kernels, jnp.bfloat16, 2e-2, pages_per_seq, batch=9, heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, pages_per_seq=pages_per_seq
+    )
 
 
 @pytest.mark.parametrize("implementation", ["xla"] + (["cudnn"] if ON_GPU else []))

@@ -184,6 +184,20 @@ def test_mixed_load_with_a_weight_swap_finishes_everything_and_frees_every_page(
     assert stats.pages_in_use == 0 and engine.pages.num_free == engine.pages.capacity
 
 
+def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_are_counted():
+    config = EngineConfig(max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,))
+    engine = Engine(config, tiny("llama", 0))
+    try:
+        run(engine, [job(range(1, 11), n=n, max_tokens=9, seed=n) for n in (1, 3, 8)])  # prompts of the precompiled bucket
+        engine.swap(tiny("llama", 1), policy_version=1)
+        run(engine, [job(range(5, 14), n=2, max_tokens=5)])
+        assert engine.stats.compilations == 0
+        run(engine, [job(range(1, 41), max_tokens=3)])  # 40 tokens: a prefill bucket that was not precompiled
+        assert engine.stats.compilations == 1
+    finally:
+        engine.stop()
+
+
 def test_a_cache_that_cannot_hold_one_sequence_is_refused_at_start():
     with pytest.raises(ValueError, match=r"holds 50 tokens, less than one max_seq_len=96"):
         Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, kv_cache_tokens=50), tiny("llama"))
