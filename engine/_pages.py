@@ -46,11 +46,11 @@ class PageAllocator:
         self._refs[pages] = 1
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """One more reference to each of `pages` (already allocated)."""
-        if pages:
+    def share(self, pages: list[int], times: int = 1) -> None:
+        """`times` more references to each of `pages` (already allocated)."""
+        if pages and times:
             assert np.all(self._refs[pages] > 0), f"sharing free pages {pages}"
-            np.add.at(self._refs, pages, 1)
+            np.add.at(self._refs, pages, times)
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference to each of `pages`; pages left with none are free again."""

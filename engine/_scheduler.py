@@ -173,8 +173,7 @@ class Scheduler:
             scores = score(job) if job.prompt_logprobs is not None else None  # a device call: before any page is taken
             shared_count, own_count = self.pages_needed(job)
             shared = self.pages.allocate(shared_count)
-            for _ in range(job.n - 1):
-                self.pages.share(shared)
+            self.pages.share(shared, job.n - 1)
             own = [self.pages.allocate(own_count) for _ in range(job.n)]
             running = RunningJob(job, policy_version, scores, shared, own, [None] * job.n, [[] for _ in range(job.n)], [[] for _ in range(job.n)])
             a["token_ids"][row, :prompt] = job.prompt_ids
@@ -183,27 +182,29 @@ class Scheduler:
             stops = np.full((config.max_stop_sequences, config.max_stop_tokens), STOP_PAD, np.int32)
             for k, seq in enumerate(job.stop_sequences):
                 stops[k, config.max_stop_tokens - len(seq) :] = seq
-            for i in range(job.n):
-                slot = next(slot_iter)
+            slots = [next(slot_iter) for _ in range(job.n)]
+            for i, slot in enumerate(slots):
                 running.slots[i] = slot
                 self.slots[slot] = (running, i)
-                new_slots.append(slot)
                 table = shared + own[i]
-                a["is_new"][slot] = True
-                a["prompt_row"][slot] = row
                 a["block_tables"][slot, : len(table)] = table
-                a["seed_keys"][slot] = seed_key_data(job.seed)
-                a["sample_index"][slot] = i
-                a["temperature"][slot] = job.temperature
-                a["top_p"][slot] = job.top_p
-                a["top_k"][slot] = job.top_k
-                a["end_position"][slot] = prompt + job.max_tokens - 1
-                a["stops"][slot] = stops
-                partial = prompt % size
-                if i > 0 and partial:  # each sample gets its own copy of the partial prompt page
-                    a["copy_tokens"][copies : copies + partial] = row * time + np.arange(prompt - partial, prompt)
-                    a["copy_pages"][copies : copies + partial] = own[i][0]
-                    copies += partial
+            new_slots += slots
+            # Whole-job assignments: per-sample numpy writes were most of an admission's host time.
+            a["is_new"][slots] = True
+            a["prompt_row"][slots] = row
+            a["seed_keys"][slots] = seed_key_data(job.seed)
+            a["sample_index"][slots] = np.arange(job.n)
+            a["temperature"][slots] = job.temperature
+            a["top_p"][slots] = job.top_p
+            a["top_k"][slots] = job.top_k
+            a["end_position"][slots] = prompt + job.max_tokens - 1
+            a["stops"][slots] = stops
+            partial = prompt % size
+            if job.n > 1 and partial:  # each other sample gets its own copy of the partial prompt page
+                count = (job.n - 1) * partial
+                a["copy_tokens"][copies : copies + count] = np.tile(row * time + np.arange(prompt - partial, prompt), job.n - 1)
+                a["copy_pages"][copies : copies + count] = np.repeat([own[i][0] for i in range(1, job.n)], partial)
+                copies += count
             self.running.append(running)
             admitted.append(running)
         return Admission(admitted, a, new_slots, any(_truncates(j) for j in chosen))
@@ -228,13 +229,15 @@ class Scheduler:
         """A decode chunk's tokens `[slots_used, steps]` (-1 where inactive) and which of those slots are
         still active (slots past `slots_used` are all free)."""
         done = []
+        # A slot emits a token at each step until it finishes (-1 after): a prefix of its row.
+        emitted = (tokens >= 0).sum(axis=1).tolist()
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
         for slot, entry in enumerate(self.slots[: len(active)]):
             if entry is None:
                 continue
             running, i = entry
-            emitted = tokens[slot] >= 0
-            running.tokens[i].extend(tokens[slot][emitted].tolist())
-            running.logprobs[i].extend(logprobs[slot][emitted].tolist())
+            running.tokens[i].extend(token_rows[slot][: emitted[slot]])
+            running.logprobs[i].extend(logprob_rows[slot][: emitted[slot]])
             if not active[slot] and self._finish(slot):
                 done.append(running)
         return done

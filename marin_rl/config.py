@@ -181,10 +181,6 @@ class TrainConfig:
         total = sum(e.fraction for e in self.envs)
         if total > 1.0 + 1e-9:
             raise ValueError(f"envs[].fraction must sum to <= 1, got {total:.4f} ({dict(zip(names, (e.fraction for e in self.envs)))})")
-        if self.model.attn_backend == "cudnn" and self.model.cudnn_max_segments > 1 and self.batcher.max_rollouts_per_row is None:
-            # Rows the packed cuDNN layout can take (written back resolved, so the run's config.yaml says so).
-            batcher = dataclasses.replace(self.batcher, max_rollouts_per_row=self.model.cudnn_max_segments - 1)
-            object.__setattr__(self, "batcher", batcher)
         if self.batcher.max_seq_len > self.model.seq_len:
             raise ValueError(
                 f"batcher.max_seq_len ({self.batcher.max_seq_len}) exceeds model.seq_len ({self.model.seq_len}): "

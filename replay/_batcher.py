@@ -42,8 +42,9 @@ class BatcherConfig:
     """Token id written into padding (never attended, never in a loss)."""
     max_rollouts_per_row: int | None = None
     """At most this many rollouts share a row; None: as many as fit. With `model.attn_backend: cudnn`,
-    the run's config sets it to `model.cudnn_max_segments - 1` when unset: a row with more segments (its
-    padding counts as one) would make the learner's batch take the slower dense mask."""
+    `model.cudnn_max_segments - 1` keeps every row in cuDNN's packed layout (a row's padding is a
+    segment too). Only worth it when rollouts are long: short ones then leave rows mostly padding
+    (docs/learner.md)."""
 
     def __post_init__(self):
         if self.max_seq_len < 1:
