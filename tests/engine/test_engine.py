@@ -198,6 +198,21 @@ def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_ar
         engine.stop()
 
 
+def test_swapped_weights_must_match_the_served_ones_leaf_for_leaf():
+    from marin_rl.engine._weights import check_same_architecture, serving_weights, weight_leaves
+
+    served = serving_weights(tiny("llama", 0), None)
+    check_same_architecture(served, serving_weights(tiny("llama", 1), None))
+    with pytest.raises(ValueError, match=r"leaf \d+ is bfloat16"):
+        check_same_architecture(served, serving_weights(tiny("llama", 1), "bfloat16"))
+    # The compiled calls take non-array parts from the first model: a differing one is refused.
+    as_constant = lambda w, value: eqx.tree_at(lambda w: w.lm_head.array, w, value)  # noqa: E731
+    check_same_architecture(as_constant(served, 2.0), as_constant(served, 2.0))
+    with pytest.raises(ValueError, match="leaf"):
+        check_same_architecture(as_constant(served, 2.0), as_constant(served, 3.0))
+    assert len(weight_leaves(as_constant(served, 2.0))) == len(weight_leaves(served)) - 1
+
+
 def test_a_cache_that_cannot_hold_one_sequence_is_refused_at_start():
     with pytest.raises(ValueError, match=r"holds 50 tokens, less than one max_seq_len=96"):
         Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, kv_cache_tokens=50), tiny("llama"))
