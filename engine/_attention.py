@@ -33,7 +33,7 @@ class AttentionKernels:
     # Pallas launch settings from `benchmarks/bench_decode_attention.py` (H100): one page per inner step,
     # one stage, and two warps take 85 us per layer where upstream's 8 pages, 8 warps, 2 stages took 129 us
     # (1B shape, 256 sequences). With one query head per KV head (the 0.5B loop shape) one warp and no
-    # padding of the query to 16 rows: 39.6 us against 113 us upstream.
+    # padding of the query to 16 rows: 40-44 us (two runs) against 51.5 us padded, 113 us upstream.
     pages_per_compute_block: int = 1
     """Pallas: pages loaded per inner step."""
     num_warps: int = 2

@@ -15,9 +15,9 @@
 # Copied from jax 0.10.2, jax/experimental/pallas/ops/gpu/paged_attention.py (Pallas on Triton; the
 # upstream Triton backend is deprecated, so marin-rl keeps its own copy). Modified by marin-rl: the
 # quantization scales and the logits soft cap are removed (unused), the query scale is an argument,
-# `lengths` is required, query groups under 16 heads are not padded to 16 (multiply-and-sum instead
-# of a tensor-core dot), one partition is normalised in the kernel, and the code is formatted to the
-# project's style.
+# `lengths` is required, a single query head per KV head is not padded to 16 rows (multiply-and-sum
+# instead of a tensor-core dot), one partition is normalised in the kernel, and the code is formatted
+# to the project's style.
 """Paged decode attention on GPU: one query token per sequence against its KV pages (Pallas/Triton)."""
 
 from __future__ import annotations
