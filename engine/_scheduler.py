@@ -189,7 +189,7 @@ class Scheduler:
                 table = shared + own[i]
                 a["block_tables"][slot, : len(table)] = table
             new_slots += slots
-            # Whole-job assignments: per-sample numpy writes were most of an admission's host time.
+            # Whole-job assignments (one numpy write per field for the n samples).
             a["is_new"][slots] = True
             a["prompt_row"][slots] = row
             a["seed_keys"][slots] = seed_key_data(job.seed)
