@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU (H100/H200 dense bf16)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures (compilation)")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the figures of an earlier run dir")
-    parser.add_argument("--profile", default=None, help="trace --profile-seconds of the run, from --profile-after s after start, into this dir; print its top ops")
-    parser.add_argument("--profile-after", type=float, default=90.0)
+    parser.add_argument("--profile", default=None, help="trace --profile-seconds of the run, from step --profile-after-step on, into this dir; print its top ops")
+    parser.add_argument("--profile-after-step", type=int, default=3)
     parser.add_argument("--profile-seconds", type=float, default=5.0)
     parser.add_argument("--override", action="append", default=[], help="a further config override (--override=--runtime=ray)")
     return parser
@@ -69,7 +69,8 @@ def main() -> None:
     config = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"), loop_overrides(args, run_dir))
     started = time.perf_counter()
     if args.profile:
-        threading.Thread(target=trace_window, args=(args.profile, args.profile_after, args.profile_seconds), daemon=True).start()
+        window = (args.profile, run_dir / "metrics.jsonl", args.profile_after_step, args.profile_seconds)
+        threading.Thread(target=trace_window, args=window, daemon=True).start()
     train(config)
     if args.profile:
         from bench_learner import print_top_ops
@@ -78,11 +79,13 @@ def main() -> None:
     summarize(run_dir, args, wall=time.perf_counter() - started)
 
 
-def trace_window(trace_dir: str, after_s: float, seconds: float) -> None:
-    """A jax.profiler trace of a window of the running loop (every thread's device work in it)."""
+def trace_window(trace_dir: str, metrics: Path, after_step: int, seconds: float) -> None:
+    """A jax.profiler trace of a window of the running loop (every thread's device work in it), from
+    when `after_step` steps are logged (start-up and compilation take minutes on a GPU)."""
     import jax
 
-    time.sleep(after_s)
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < after_step:
+        time.sleep(0.2)
     with jax.profiler.trace(trace_dir):
         time.sleep(seconds)
 

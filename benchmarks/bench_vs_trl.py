@@ -94,12 +94,14 @@ def run_marin(args) -> dict:
         f"--batcher.max_seq_len={row}",
         f"--batcher.total_token_budget={rows * row}",
         f"--server.max_seq_len={row}",
-        # On the CPU, the quickstart's 64 slots: more make every prefill larger there, for nothing.
-        f"--server.max_seqs={64 if args.size == 'tiny' else min(512, args.prompts * args.group_size)}",
+        # A slot for every rollout in flight (twice a step's on a GPU, below). On the CPU, the quickstart's
+        # 64 slots: more make every prefill larger there, for nothing.
+        f"--server.max_seqs={64 if args.size == 'tiny' else min(1024, 2 * args.prompts * args.group_size)}",
         f"--learner.optimizer.learning_rate={args.lr}",
         "--checkpoint_every=1000000",
         f"--envs.addition.group_size={args.group_size}",
         f"--envs.addition.sampling.max_tokens={args.max_tokens}",
+        f"--model.gradient_checkpointing={'layer' if args.gradient_checkpointing == 'on' else 'none'}",
     ]
     if jax.default_backend() == "gpu":
         # Twice as many groups in flight as a step takes: the next step's groups generate while this
@@ -110,6 +112,11 @@ def run_marin(args) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
+    steady = records[2:] or records
+    print(
+        f"marin-rl median step split: {statistics.median(r['time/wait_data_s'] for r in steady):.3f} s waiting for rollouts, "
+        f"{statistics.median(r['time/learner_s'] for r in steady):.3f} s learning"
+    )
     return summary(
         "marin-rl",
         [r["batches/addition/reward_mean"] for r in records],  # the batch the step trained on
@@ -185,6 +192,7 @@ def run_trl(args) -> dict:
         save_strategy="no",
         seed=args.seed,
         bf16=gpu,
+        gradient_checkpointing=args.gradient_checkpointing == "on",
         use_cpu=not gpu,
         dataloader_num_workers=0,
     )
@@ -219,6 +227,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--target", type=float, default=0.8, help="mean reward over 5 steps to reach")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=["on", "off"],
+        default="on",
+        help="both sides: on recomputes each layer's inside in the backward pass (both defaults), off keeps it",
+    )
     parser.add_argument("--side", choices=["both", "marin", "trl"], default="both")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with torch, transformers and trl")
     parser.add_argument("--tokenizer", default=str(Path(__file__).parent.parent / "marin_rl" / "assets" / "char_tokenizer"))
@@ -241,7 +255,10 @@ def main() -> None:
             raise SystemExit(f"the TRL side failed (exit {out.returncode})")
         results.append(json.loads(lines[-1][len("RESULT ") :]))
 
-    print(f"\n{args.size} model, {args.prompts} prompts x {args.group_size} completions of {args.max_tokens} tokens, lr {args.lr}")
+    print(
+        f"\n{args.size} model, {args.prompts} prompts x {args.group_size} completions of {args.max_tokens} tokens, lr {args.lr}, "
+        f"gradient checkpointing {args.gradient_checkpointing}"
+    )
     for r in results:
         reached = (
             f"step {r['steps_to_target']}, {r['seconds_to_target']:.1f} s of training, {r['seconds_from_launch_to_target']:.1f} s from launch"

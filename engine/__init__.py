@@ -3,8 +3,8 @@
 One file per concept: `_config` (sizes), `_request` (jobs and results), `_pages` (the page allocator),
 `_kv_cache` (the cache arrays), `_weights` (the engine's copy of a Levanter LM), `_attention` and
 `kernels/` (decode and prefill attention), `_forward` (the transformer passes), `_sampling`, `_decode`
-(the compiled device calls), `_scheduler` (the host side of continuous batching), `_engine` (the
-thread that runs it all). See docs/serving.md.
+(the compiled device calls), `_scheduler` (the host side of continuous batching), `_device_lock`
+(turns on a device shared with the learner), `_engine` (the thread that runs it all). See docs/serving.md.
 
 The config imports eagerly; the rest (JAX, Levanter) loads on first use.
 """
@@ -12,6 +12,7 @@ The config imports eagerly; the rest (JAX, Levanter) loads on first use.
 import importlib
 
 from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
 
 _LAZY = {
@@ -22,7 +23,7 @@ _LAZY = {
     "serving_weights": "_weights",
 }
 
-__all__ = ["EngineConfig", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
+__all__ = ["DeviceLock", "EngineConfig", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
 
 
 def __getattr__(name: str):

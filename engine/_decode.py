@@ -129,8 +129,9 @@ def decode_chunk(
     nothing; the host fills slots from the lowest index, so few requests cost little).
     `truncate`: whether any of them uses top-p/top-k (see `sample`).
 
-    Returns `(cache, state, tokens [slots_used, steps], logprobs [slots_used, steps])`; a slot's token
-    is -1 at the steps it was not active."""
+    Returns `(cache, state, tokens [slots_used, steps], logprobs [slots_used, steps], active [slots_used])`;
+    a slot's token is -1 at the steps it was not active; `active`: whether it still is (an output of its
+    own: the returned state is donated to the next call before the host reads this one back)."""
     full_state = state
     state = jax.tree.map(lambda x: x[:slots_used], full_state)
     page_size = cache.keys[0].shape[2]
@@ -156,9 +157,9 @@ def decode_chunk(
         )
         return (cache, s), (emitted, logprobs)
 
-    (cache, state), (tokens, logprobs) = jax.lax.scan(step, (cache, state), None, length=steps)
-    state = jax.tree.map(lambda full, used: full.at[:slots_used].set(used), full_state, state)
-    return cache, state, tokens.T, logprobs.T
+    (cache, used), (tokens, logprobs) = jax.lax.scan(step, (cache, state), None, length=steps)
+    state = jax.tree.map(lambda full, part: full.at[:slots_used].set(part), full_state, used)
+    return cache, state, tokens.T, logprobs.T, used.active
 
 
 def deactivate(state: SlotState, slots_mask: Bool[Array, " slots"]) -> SlotState:

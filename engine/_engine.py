@@ -1,9 +1,11 @@
 """`Engine`: one thread that owns the weights, the KV cache and the decode slots, and runs the loop.
 
-Each turn of the loop: install swapped-in weights, stop abandoned requests, admit queued jobs (one
-batched prefill that also draws their first tokens), then run a chunk of decode steps for every
-active slot and hand finished completions back. Weights swapped in while sequences are decoding
-serve their remaining tokens; a request admitted after a swap sees only the new weights.
+Each turn of the loop: install swapped-in weights, queue a chunk of decode steps for every active
+slot, read back the calls queued before it (tokens, finished completions handed back) while the device
+runs it, stop abandoned requests, and admit queued jobs (one batched prefill that also draws their
+first tokens, queued behind the chunk). The host's work thus overlaps the device's. Weights swapped in
+while sequences are decoding serve their remaining tokens; a request admitted after a swap sees only
+the new weights.
 """
 
 from __future__ import annotations
@@ -20,16 +22,16 @@ import numpy as np
 
 from marin_rl.engine._attention import choose_kernels
 from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_chunk, prefill_insert, score_prompt
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
 from marin_rl.engine._request import GenerationJob, PromptScores
-from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Scheduler, bucket, complete, rows_bucket
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ServingWeights, check_same_architecture, jit_on_leaves, serving_weights, weight_leaves
 
 logger = logging.getLogger(__name__)
 
-MIN_DECODE_SLOTS = 8
 
 
 @dataclass
@@ -47,6 +49,8 @@ class EngineStats:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    """Seconds from each call's dispatch (or the previous call's results, if later) to its results: with
+    calls queued back to back, the time the device works for the engine."""
     compilations: int = 0
     """Device calls that compiled a shape while serving (not precompiled at start): each takes seconds."""
     pages_in_use: int = 0
@@ -55,12 +59,32 @@ class EngineStats:
     queued: int = 0
 
 
+@dataclass
+class _InFlight:
+    """A device call queued but not read back yet; its outputs are already on their way to the host."""
+
+    kind: str  # "prefill" or "decode"
+    outputs: tuple
+    dispatched_at: float
+    admission: Admission | None = None
+    owners: list | None = None
+    """decode: what each slot held when the chunk was queued (a slot freed and taken again since gets
+    nothing from it)."""
+
+
+def _copy_to_host(arrays: tuple) -> tuple:
+    for array in arrays:
+        array.copy_to_host_async()
+    return arrays
+
+
 class Engine:
     """Generate for `GenerationJob`s on a Levanter LM: `submit`, `swap`, `stop`.
 
-    `device_lock`, when given, is held around every device call (and until its results are back): a
-    learner training on the same GPU holds it around its steps, so the two never run kernels at once
-    (cuDNN's CUDA-graph capture fails if another thread launches work meanwhile).
+    `device_lock`, when given, is held from a device call until its results are back, across the turns
+    of a run of pipelined calls, and let go as soon as another thread wants it: a learner training on
+    the same GPU holds it around its steps, so the two never run kernels at once (cuDNN's CUDA-graph
+    capture fails if another thread launches work meanwhile).
 
     `device`: where the weights and the KV cache live, so every compiled call runs there (None: JAX's
     default device). Weights handed over from another device are copied device to device.
@@ -72,7 +96,7 @@ class Engine:
         model,
         policy_version: int = 0,
         *,
-        device_lock: contextlib.AbstractContextManager | None = None,
+        device_lock: DeviceLock | None = None,
         device: jax.Device | None = None,
     ):
         if config.max_seq_len > model.Pos.size:
@@ -81,7 +105,11 @@ class Engine:
             )
         self.config = config
         self.device = device
+        self._shared_lock = device_lock
         self._lock = device_lock or contextlib.nullcontext()
+        self._holding_lock = False
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._last_ready = 0.0
         self._weights = self.prepare(model, check=False)
         self._leaves = weight_leaves(self._weights)
         attention = self._weights.attention_config
@@ -152,17 +180,12 @@ class Engine:
                 with self._lock:
                     self._cache, self._state, *_ = self._prefill(self._leaves, self._cache, self._state, batch, self.kernels, False)
                 rows, shapes = 4 * rows, shapes + 1
-        slots = MIN_DECODE_SLOTS
-        while True:
-            slots_used = min(slots, config.max_seqs)
+        for slots_used in slots_buckets(config.max_seqs):
             with self._lock:
                 self._cache, self._state, *_ = self._decode(
                     self._leaves, self._cache, self._state, self.kernels, config.decode_steps, slots_used, False
                 )
             shapes += 1
-            if slots_used == config.max_seqs:
-                break
-            slots *= 2
         jax.block_until_ready(self._state)
         logger.info("engine: compiled %d shapes in %.1fs", shapes, time.perf_counter() - start)
 
@@ -256,11 +279,13 @@ class Engine:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopped or self._inbox or self._swaps or self.scheduler.queue or not self.scheduler.idle):
+                while not (
+                    self._stopped or self._inbox or self._swaps or self.scheduler.queue or not self.scheduler.idle or self._in_flight
+                ):
                     self._cv.wait()
                 if self._stopped:
                     break
-                if self.scheduler.idle and not self.scheduler.queue and self.config.batch_wait_s > 0:
+                if self.scheduler.idle and not self.scheduler.queue and not self._in_flight and self.config.batch_wait_s > 0:
                     # The first request after a quiet spell: let the others sent with it arrive, so that
                     # their prompts are prefilled together.
                     self._cv.wait(self.config.batch_wait_s)
@@ -276,10 +301,14 @@ class Engine:
             except Exception as e:  # every request in flight gets the error; queued ones are served after
                 logger.exception("inference engine failure; its requests get the error and the engine is reset")
                 self.stats.errors += 1
+                self._in_flight.clear()
                 scheduler.fail_all(e)
                 self._check_idle_after_failure()
                 self._reset_device_state()
+                self._let_go_of_device()
             self._publish()
+        self._in_flight.clear()
+        self._let_go_of_device()
         with self._cv:
             pending = list(self._inbox) + list(self.scheduler.queue)
             swaps = list(self._swaps)
@@ -290,46 +319,86 @@ class Engine:
             installed.set()
 
     def _turn(self, scheduler: Scheduler) -> None:
+        # Queue the next chunk first: the device runs it while the host reads back the calls before it and
+        # admits. Slots that finished in the chunk still running idle through this one; none is queued
+        # when every running sample reaches max_tokens in the chunks already queued.
+        steps_queued = self.config.decode_steps * sum(call.kind == "decode" for call in self._in_flight)
+        decoding = scheduler.num_active > 0 and scheduler.may_decode(steps_queued)
+        if decoding:
+            self._dispatch_decode(scheduler)
+        while len(self._in_flight) > decoding:
+            self._read_back(scheduler, self._in_flight.popleft())
         abandoned = scheduler.cancel_abandoned()
         if abandoned:
             mask = np.zeros(self.config.max_seqs, bool)
             mask[abandoned] = True
-            with self._lock:
-                self._state = self._deactivate(self._state, mask)
+            self._hold_device()
+            self._state = self._deactivate(self._state, mask)
         admission = scheduler.admit(self._policy_version, self._score_job)
         if admission is not None:
-            with self._lock:
-                start = time.perf_counter()  # device time only, not the wait for a colocated learner's step
-                variants = self._compiled_calls["prefill"]._cache_size()
-                self._cache, self._state, tokens, logprobs, finished = self._prefill(
-                    self._leaves, self._cache, self._state, PrefillBatch(**admission.arrays), self.kernels, admission.truncate
-                )
-                tokens, logprobs, finished = jax.device_get((tokens, logprobs, finished))
-            self._count_compilation("prefill", variants, start, "prefill of %d x %d prompt tokens" % admission.arrays["token_ids"].shape)
-            self.stats.prefill_seconds += time.perf_counter() - start
+            self._dispatch_prefill(admission)
+        if not decoding or (self._shared_lock is not None and self._shared_lock.wanted):
+            # Nothing to overlap the read-back with, or the learner waits for the device: drain.
+            while self._in_flight:
+                self._read_back(scheduler, self._in_flight.popleft())
+        if not self._in_flight:
+            self._let_go_of_device()
+            if scheduler.idle:
+                self.pages.check_idle()
+
+    def _hold_device(self) -> None:
+        if not self._holding_lock:
+            self._lock.__enter__()
+            self._holding_lock = True
+
+    def _let_go_of_device(self) -> None:
+        if self._holding_lock:
+            self._holding_lock = False
+            self._lock.__exit__(None, None, None)
+
+    def _dispatch_prefill(self, admission: Admission) -> None:
+        self._hold_device()
+        dispatched = time.perf_counter()
+        variants = self._compiled_calls["prefill"]._cache_size()
+        self._cache, self._state, tokens, logprobs, finished = self._prefill(
+            self._leaves, self._cache, self._state, PrefillBatch(**admission.arrays), self.kernels, admission.truncate
+        )
+        self._count_compilation("prefill", variants, dispatched, "prefill of %d x %d prompt tokens" % admission.arrays["token_ids"].shape)
+        self._in_flight.append(_InFlight("prefill", _copy_to_host((tokens, logprobs, finished)), dispatched, admission=admission))
+
+    def _dispatch_decode(self, scheduler: Scheduler) -> None:
+        # Only the slots up to the highest one in use, rounded up to few shapes (each compiled once).
+        slots_used = slots_bucket(scheduler.highest_slot() + 1, self.config.max_seqs)
+        self._hold_device()
+        dispatched = time.perf_counter()
+        variants = self._compiled_calls["decode"]._cache_size()
+        self._cache, self._state, *outputs = self._decode(
+            self._leaves, self._cache, self._state, self.kernels, self.config.decode_steps, slots_used, scheduler.truncating
+        )
+        self._count_compilation("decode", variants, dispatched, f"decode of {slots_used} slots")
+        self._in_flight.append(_InFlight("decode", _copy_to_host(outputs), dispatched, owners=list(scheduler.slots[:slots_used])))
+
+    def _read_back(self, scheduler: Scheduler, call: _InFlight) -> None:
+        outputs = jax.device_get(call.outputs)
+        ready = time.perf_counter()
+        seconds = ready - max(call.dispatched_at, self._last_ready)
+        self._last_ready = ready
+        if call.kind == "prefill":
+            admission = call.admission
+            self.stats.prefill_seconds += seconds
             self.stats.prefill_calls += 1
             self.stats.prompt_tokens += int(admission.arrays["lengths"].sum())
             self.stats.generated_tokens += len(admission.new_slots)
-            self._complete(scheduler.record_first(admission, tokens, logprobs, finished))
-        if scheduler.num_active:
-            # Only the slots up to the highest one in use (a power of two: few shapes, each compiled once).
-            steps = self.config.decode_steps
-            slots_used = min(self.config.max_seqs, bucket(scheduler.highest_slot() + 1, MIN_DECODE_SLOTS))
-            with self._lock:
-                start = time.perf_counter()
-                variants = self._compiled_calls["decode"]._cache_size()
-                self._cache, self._state, tokens, logprobs = self._decode(
-                    self._leaves, self._cache, self._state, self.kernels, steps, slots_used, scheduler.truncating
-                )
-                tokens, logprobs, active = jax.device_get((tokens, logprobs, self._state.active[:slots_used]))
-            self._count_compilation("decode", variants, start, f"decode of {slots_used} slots")
-            self.stats.decode_seconds += time.perf_counter() - start
+            done = scheduler.record_first(admission, *outputs)
+        else:
+            tokens, logprobs, active = outputs
+            self.stats.decode_seconds += seconds
             self.stats.decode_calls += 1
-            self.stats.decode_steps += steps
+            self.stats.decode_steps += self.config.decode_steps
             self.stats.generated_tokens += int((tokens >= 0).sum())
-            self._complete(scheduler.record_chunk(tokens, logprobs, active))
-        if scheduler.idle:
-            self.pages.check_idle()
+            done = scheduler.record_chunk(tokens, logprobs, active, call.owners)
+        self._publish()  # before answering: a caller that reads the stats then sees its pages freed
+        self._complete(done)
 
     def _count_compilation(self, call: str, variants_before: int, started: float, shape: str) -> None:
         if self._compiled_calls[call]._cache_size() > variants_before:

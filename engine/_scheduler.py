@@ -30,6 +30,22 @@ def bucket(size: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, size - 1).bit_length())
 
 
+MIN_DECODE_SLOTS = 8
+DECODE_SLOTS_STEP = 128
+
+
+def slots_bucket(slots: int, max_seqs: int) -> int:
+    """Decode rows for slots 0..slots-1: a power of two up to DECODE_SLOTS_STEP, then a multiple of it.
+    Powers of two all the way wasted up to half the rows: 650 sequences in flight decoded 1,024."""
+    rows = bucket(slots, MIN_DECODE_SLOTS) if slots <= DECODE_SLOTS_STEP else -(-slots // DECODE_SLOTS_STEP) * DECODE_SLOTS_STEP
+    return min(rows, max_seqs)
+
+
+def slots_buckets(max_seqs: int) -> list[int]:
+    """Every `slots_bucket` an engine of `max_seqs` slots can decode."""
+    return sorted({slots_bucket(n, max_seqs) for n in range(1, max_seqs + 1)})
+
+
 def rows_bucket(prompts: int) -> int:
     """Prefill rows for `prompts` prompts: a power of four (1, 4, 16, ...), so that the number of
     admitted prompts, which varies at every turn, compiles few shapes."""
@@ -101,6 +117,16 @@ class Scheduler:
     def truncating(self) -> bool:
         """Whether any running job samples with top-p/top-k."""
         return any(_truncates(r.job) for r in self.running)
+
+    def may_decode(self, steps_queued: int) -> bool:
+        """Whether a running sample may still need a decode step after `steps_queued` more (queued and not
+        read back yet). A sample with no token read back has its prefill's first token on the way."""
+        return any(
+            max(len(tokens), 1) + steps_queued < running.job.max_tokens
+            for running in self.running
+            for slot, tokens in zip(running.slots, running.tokens)
+            if slot is not None
+        )
 
     def highest_slot(self) -> int:
         """The highest slot index in use (-1 when none)."""
@@ -225,15 +251,16 @@ class Scheduler:
                 done.append(running)
         return done
 
-    def record_chunk(self, tokens: np.ndarray, logprobs: np.ndarray, active: np.ndarray) -> list[RunningJob]:
+    def record_chunk(self, tokens: np.ndarray, logprobs: np.ndarray, active: np.ndarray, owners: list) -> list[RunningJob]:
         """A decode chunk's tokens `[slots_used, steps]` (-1 where inactive) and which of those slots are
-        still active (slots past `slots_used` are all free)."""
+        still active, for `owners`: what `slots` held when the chunk was queued. A slot that was freed
+        (and maybe taken again) since gets nothing from it."""
         done = []
         # A slot emits a token at each step until it finishes (-1 after): a prefix of its row.
         emitted = (tokens >= 0).sum(axis=1).tolist()
         token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
-        for slot, entry in enumerate(self.slots[: len(active)]):
-            if entry is None:
+        for slot, entry in enumerate(owners):
+            if entry is None or self.slots[slot] is not entry:
                 continue
             running, i = entry
             running.tokens[i].extend(token_rows[slot][: emitted[slot]])

@@ -8,7 +8,6 @@ in docs/serving.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import socket
@@ -17,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from marin_rl.engine import DeviceLock
 from marin_rl.orchestrator._server_config import InferenceServerConfig
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class PolicyServer:
         policy_version: int = 0,
         *,
         weight_loader: Callable[[str], Any] | None = None,
-        device_lock: contextlib.AbstractContextManager | None = None,
+        device_lock: DeviceLock | None = None,
         device=None,
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.

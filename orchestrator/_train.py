@@ -83,6 +83,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     import jax
 
     from marin_rl.distributed import Placement
+    from marin_rl.engine import DeviceLock
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
     from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer
@@ -103,13 +104,13 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marin-rl-compile")
     step_compiled = compiling.submit(learner.compile_step, RlExample.from_packed(config.batcher.padding_arrays()))
     compiling.shutdown(wait=False)  # its thread ends with the compilation
-    # The learner and an embedded engine on its device take turns on it: the engine holds this lock around
-    # each device call, the loop around each learn/broadcast/save phase. cuDNN attention's CUDA-graph
+    # The learner and an embedded engine on its device take turns on it: the engine holds this lock while
+    # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save phase. cuDNN attention's CUDA-graph
     # capture fails if another thread launches work meanwhile (seen on an H200, jax 0.11.2), and
     # overlapping gains nothing measurable on one GPU or on a 2-core CPU (0.26 vs 0.30 s per quickstart
     # step). An engine on a device of its own needs no lock: the swap copies the weights device to device.
     # Re-entrant: the broadcast's swap takes it inside the loop's phase.
-    device_lock = threading.RLock()
+    device_lock = DeviceLock()
     servers = [
         PolicyServer(
             config.server,

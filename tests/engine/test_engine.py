@@ -1,7 +1,9 @@
 """The engine end to end on CPU: exact greedy decodes and log-probs for the three families, seeds,
 stops, continuous batching under a mixed load with a weight swap, and the KV-cache invariant."""
 
+import dataclasses
 import threading
+import time
 
 import equinox as eqx
 import haliax as hax
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.engine import Engine, EngineConfig, GenerationJob
+from marin_rl.engine import DeviceLock, Engine, EngineConfig, GenerationJob
 from marin_rl.learner import ModelConfig, build_model, sequence_logprobs
 from marin_rl.rl_example import BATCH_AXIS, POS_AXIS
 
@@ -298,5 +300,26 @@ def test_pages_leaked_by_a_failure_reset_the_allocator_instead_of_stopping_the_e
         assert [len(s.token_ids) for s in served.future.result(timeout=120).samples] == [4, 4]
         assert engine.stats.errors == 1 and engine.stats.pages_in_use == 0
         assert engine._thread.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_the_engine_lets_go_of_a_shared_device_lock_when_asked_and_calls_nothing_while_it_is_held():
+    lock = DeviceLock()
+    engine = Engine(dataclasses.replace(CONFIG, decode_steps=2), tiny("llama"), device_lock=lock)
+    try:
+        long = job([1, 2, 3], n=4, max_tokens=80)  # many pipelined decode chunks
+        engine.submit(long)
+        while engine.stats.decode_calls < 3:
+            time.sleep(0.01)
+        for turn in range(5):  # the learner's turns, between the engine's
+            with lock:
+                assert turn > 0 or not long.future.done()  # given while the engine still had work
+                calls = engine.stats.decode_calls + engine.stats.prefill_calls
+                time.sleep(0.05)
+                assert engine.stats.decode_calls + engine.stats.prefill_calls == calls
+                assert not engine._in_flight  # drained before letting go
+        assert [len(s.token_ids) for s in long.future.result(timeout=120).samples] == [80] * 4
+        assert engine.stats.errors == 0 and engine.stats.pages_in_use == 0
     finally:
         engine.stop()

@@ -2,13 +2,15 @@
 
 import concurrent.futures
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marin_rl.engine import EngineConfig, GenerationJob
 from marin_rl.engine._pages import SCRATCH_PAGE, OutOfPages, PageAllocator
-from marin_rl.engine._scheduler import Scheduler
+from marin_rl.engine._scheduler import Scheduler, slots_bucket, slots_buckets
 
 
 @settings(max_examples=200, deadline=None)
@@ -100,3 +102,30 @@ def test_cancelled_jobs_are_skipped_and_abandoned_ones_free_their_slots():
     scheduler.pages.check_idle()
     with pytest.raises(concurrent.futures.CancelledError):
         running_job.future.result()
+
+
+def test_decode_slot_buckets_cover_every_count_with_little_padding():
+    buckets = slots_buckets(1024)
+    assert buckets == [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    for used in range(1, 1025):
+        rows = slots_bucket(used, 1024)
+        assert rows in buckets and rows >= used
+        assert used <= 128 or rows - used < 128  # above 128 rows, under one step of padding
+    assert slots_buckets(64) == [8, 16, 32, 64] and slots_bucket(3, 6) == 6  # never past max_seqs
+
+
+def test_a_chunk_read_back_late_gives_nothing_to_a_slot_freed_and_taken_again_since():
+    config = EngineConfig(max_seqs=2, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(64), table_width=config.pages_per_seq)
+    first, second = job(3, 2, 8), job(3, 2, 8)
+    scheduler.queue.append(first)
+    scheduler.admit(0, None)
+    stale_owners = list(scheduler.slots)  # a chunk queued now, read back after the slots changed hands
+    assert first.future.cancel() and sorted(scheduler.cancel_abandoned()) == [0, 1]
+    scheduler.queue.append(second)
+    scheduler.admit(0, None)
+    tokens = np.full((2, 4), 7, np.int32)
+    done = scheduler.record_chunk(tokens, np.zeros((2, 4), np.float32), np.zeros(2, bool), stale_owners)
+    assert done == [] and scheduler.num_active == 2  # the new job neither got tokens nor was finished
+    assert all(tokens == [] for running in scheduler.running for tokens in running.tokens)
+    assert scheduler.may_decode(0) and not scheduler.may_decode(7)  # 1 token from prefill + 7 queued = max_tokens
