@@ -323,7 +323,7 @@ class Engine:
         # admits. Slots that finished in the chunk still running idle through this one; none is queued
         # when every running sample reaches max_tokens in the chunks already queued.
         steps_queued = self.config.decode_steps * sum(call.kind == "decode" for call in self._in_flight)
-        decoding = scheduler.num_active > 0 and scheduler.may_decode(steps_queued)
+        decoding = scheduler.may_decode(steps_queued)  # False with no sample running
         if decoding:
             self._dispatch_decode(scheduler)
         while len(self._in_flight) > decoding:

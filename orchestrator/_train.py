@@ -105,11 +105,11 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     step_compiled = compiling.submit(learner.compile_step, RlExample.from_packed(config.batcher.padding_arrays()))
     compiling.shutdown(wait=False)  # its thread ends with the compilation
     # The learner and an embedded engine on its device take turns on it: the engine holds this lock while
-    # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save phase. cuDNN attention's CUDA-graph
-    # capture fails if another thread launches work meanwhile (seen on an H200, jax 0.11.2), and
-    # overlapping gains nothing measurable on one GPU or on a 2-core CPU (0.26 vs 0.30 s per quickstart
-    # step). An engine on a device of its own needs no lock: the swap copies the weights device to device.
-    # Re-entrant: the broadcast's swap takes it inside the loop's phase.
+    # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save
+    # phase. cuDNN attention's CUDA-graph capture fails if another thread launches work meanwhile (seen on
+    # an H200, jax 0.11.2), and overlapping gains nothing measurable on one GPU or on a 2-core CPU (0.26 vs
+    # 0.30 s per quickstart step). An engine on a device of its own needs no lock: the swap copies the
+    # weights device to device. Re-entrant: the broadcast's swap takes it inside the loop's phase.
     device_lock = DeviceLock()
     servers = [
         PolicyServer(
