@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 
@@ -17,8 +18,7 @@ class DeviceLock:
         self._cv = threading.Condition()
         self._owner: int | None = None
         self._depth = 0
-        self._next_ticket = 0
-        self._now_serving = 0
+        self._line: collections.deque[object] = collections.deque()
 
     def __enter__(self) -> DeviceLock:
         me = threading.get_ident()
@@ -26,12 +26,19 @@ class DeviceLock:
             if self._owner == me:
                 self._depth += 1
                 return self
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            while self._owner is not None or self._now_serving != ticket:
-                self._cv.wait()
+            place = object()
+            self._line.append(place)
+            try:
+                while self._owner is not None or self._line[0] is not place:
+                    self._cv.wait()
+            except BaseException:
+                # A second Ctrl-C lands here while the engine holds the lock: leave the line, or everyone
+                # behind this place waits forever (the shutdown joining the engine thread included).
+                self._line.remove(place)
+                self._cv.notify_all()
+                raise
+            self._line.popleft()
             self._owner, self._depth = me, 1
-            self._now_serving += 1
         return self
 
     def __exit__(self, *exc) -> None:
@@ -46,7 +53,7 @@ class DeviceLock:
     @property
     def waiting(self) -> int:
         """Threads waiting for the lock."""
-        return self._next_ticket - self._now_serving
+        return len(self._line)
 
     @property
     def wanted(self) -> bool:

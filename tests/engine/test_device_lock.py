@@ -1,7 +1,10 @@
 """`DeviceLock`: re-entrant, first come first served, and it tells its holder when someone waits."""
 
+import signal
 import threading
 import time
+
+import pytest
 
 from marin_rl.engine import DeviceLock
 
@@ -36,3 +39,35 @@ def test_a_holder_that_leaves_and_comes_back_queues_behind_a_waiter():
         order.append("holder")
     waiter.join(timeout=10)
     assert order == ["waiter", "holder"]
+
+
+def test_a_waiter_interrupted_by_a_signal_leaves_the_line():
+    # A second Ctrl-C raises in the main thread while it waits for the engine's turn to end; the shutdown
+    # that follows must still get the lock.
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    lock, holding, release = DeviceLock(), threading.Event(), threading.Event()
+    holder = threading.Thread(target=lambda: (lock.__enter__(), holding.set(), release.wait(10), lock.__exit__()))
+    holder.start()
+    holding.wait(10)
+    main = threading.get_ident()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        kill = threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGUSR1))
+        kill.start()
+        with pytest.raises(Interrupted):
+            with lock:
+                pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert lock.waiting == 0
+    release.set()
+    holder.join(timeout=10)
+    later = threading.Thread(target=lambda: (lock.__enter__(), lock.__exit__()))
+    later.start()
+    later.join(timeout=10)
+    assert not later.is_alive() and not lock.wanted

@@ -87,16 +87,23 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(tmp_path):
         reader.start()
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert process.poll() is None, "".join(err)
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    assert stopping.wait(60), "".join(out)
-    process.send_signal(signal.SIGINT)  # while the first one's clean-up runs
-    process.wait(timeout=60)
-    for reader in readers:
-        reader.join()
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert process.poll() is None, "".join(err)
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        assert stopping.wait(60), "".join(out)
+        process.send_signal(signal.SIGINT)  # while the first one's clean-up runs
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after the second Ctrl-C:\n{''.join(out + err)}")
+    finally:
+        process.kill()  # a hung run must not outlive the test (nor keep CI waiting on its pipes)
+        process.wait()
+        for reader in readers:
+            reader.join()
     assert process.returncode == 130, "".join(out + err)
     assert_quiet("".join(err), last="aborted: the rollouts are on disk; the final checkpoint was not written")
     assert read_rollouts(run_dir, env="addition")  # what was pending got written
