@@ -22,12 +22,15 @@ def test_sigterm_flushes_rollouts_and_checkpoints(tmp_path):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        time.sleep(0.5)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()  # a hung run must not outlive the test
     assert process.returncode == 0, output
     assert "SIGTERM" in output and "stopped early" in output
 

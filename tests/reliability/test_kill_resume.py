@@ -104,35 +104,40 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
     run_dir = tmp_path / "killed"
     command = [sys.executable, "-m", "marin_rl.cli", "train", *ARGS, f"--run_dir={run_dir}"]
     kills = []
-    for attempt in range(4):
-        before = accepted_and_stored(run_dir)
-        resumed_at = max([int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")], default=0)
-        with open(tmp_path / f"attempt-{attempt}.log", "w") as log:
-            # Killed before it wrote anything but its config (start-up), there is nothing to resume: a user starts again.
-            process = subprocess.Popen(command + (["--resume"] if holds_run(run_dir) else []), stdout=log, stderr=subprocess.STDOUT)
-        if attempt == 3:
-            assert process.wait(timeout=600) == 0, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
-            break
-        log_tail = lambda: (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]  # noqa: E731
-        reached = lambda step: any(r["step"] >= step for r in lines(run_dir / "metrics.jsonl"))  # noqa: E731
-        if attempt:  # two steps past where it resumed, then anywhere in a step: sampling, learning, a checkpoint
-            deadline = time.monotonic() + 300
-            while not reached(resumed_at + 2):
-                assert process.poll() is None and time.monotonic() < deadline, log_tail()
+    process = None
+    try:
+        for attempt in range(4):
+            before = accepted_and_stored(run_dir)
+            resumed_at = max([int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")], default=0)
+            with open(tmp_path / f"attempt-{attempt}.log", "w") as log:
+                # Killed before it wrote anything but its config (start-up), there is nothing to resume: a user starts again.
+                process = subprocess.Popen(command + (["--resume"] if holds_run(run_dir) else []), stdout=log, stderr=subprocess.STDOUT)
+            if attempt == 3:
+                assert process.wait(timeout=600) == 0, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
+                break
+            log_tail = lambda: (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]  # noqa: E731
+            reached = lambda step: any(r["step"] >= step for r in lines(run_dir / "metrics.jsonl"))  # noqa: E731
+            if attempt:  # two steps past where it resumed, then anywhere in a step: sampling, learning, a checkpoint
+                deadline = time.monotonic() + 300
+                while not reached(resumed_at + 2):
+                    assert process.poll() is None and time.monotonic() < deadline, log_tail()
+                    time.sleep(0.05)
+            # Attempt 0: anywhere from start-up (imports, compilation) to the first steps. The random delay
+            # is cut short by a step bound, so that a fast machine cannot finish the run first.
+            kill_at = time.monotonic() + (rng.uniform(0, 1.5) if attempt else rng.uniform(3, 30))
+            while time.monotonic() < kill_at and not reached(resumed_at + KILL_WITHIN_STEPS):
+                assert process.poll() is None, log_tail()
                 time.sleep(0.05)
-        # Attempt 0: anywhere from start-up (imports, compilation) to the first steps. The random delay
-        # is cut short by a step bound, so that a fast machine cannot finish the run first.
-        kill_at = time.monotonic() + (rng.uniform(0, 1.5) if attempt else rng.uniform(3, 30))
-        while time.monotonic() < kill_at and not reached(resumed_at + KILL_WITHIN_STEPS):
-            assert process.poll() is None, log_tail()
-            time.sleep(0.05)
-        assert process.poll() is None, "finished before it could be killed"
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        after = accepted_and_stored(run_dir)
-        lost = (after[0] - before[0]) - (after[1] - before[1])
-        kills.append({"resumed_at": resumed_at, "lost": lost})
-        assert lost <= FLUSH_WINDOW, f"kill {attempt} (seed {seed}) lost {lost} rollouts"
+            assert process.poll() is None, "finished before it could be killed"
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            after = accepted_and_stored(run_dir)
+            lost = (after[0] - before[0]) - (after[1] - before[1])
+            kills.append({"resumed_at": resumed_at, "lost": lost})
+            assert lost <= FLUSH_WINDOW, f"kill {attempt} (seed {seed}) lost {lost} rollouts"
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()  # a failed check must not leave a run training past the test
     print(f"seed {seed}: kills {kills}")
 
     # Identical parameters and optimizer state; one line per step with the uninterrupted metrics.
