@@ -55,13 +55,20 @@ def test_a_waiter_interrupted_by_a_signal_leaves_the_line():
     holder.start()
     holding.wait(10)
     main = threading.get_ident()
+
+    def interrupt_the_waiting_main_thread():
+        while not lock.wanted:
+            time.sleep(0.001)
+        signal.pthread_kill(main, signal.SIGUSR1)
+
     previous = signal.signal(signal.SIGUSR1, interrupt)
     try:
-        kill = threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGUSR1))
-        kill.start()
+        interrupter = threading.Thread(target=interrupt_the_waiting_main_thread)
+        interrupter.start()
         with pytest.raises(Interrupted):
             with lock:
                 pass
+        interrupter.join(timeout=10)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert lock.waiting == 0
