@@ -33,6 +33,9 @@ class EngineConfig:
     buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
     waits on a compilation (top-p/top-k sampling has variants of its own, compiled on first use).
     Empty: each shape compiles on first use."""
+    precompile_decode: bool = True
+    """With `precompile_prompt_lens`, compile the decode shapes too. Off where every request asks for one
+    token (the first comes from the prefill, so nothing decodes): about 5 s less start-up in the quickstart."""
     decode_steps: int = 16
     """Decode steps per device call before the host collects finished sequences and admits new ones."""
     compute_dtype: str | None = None

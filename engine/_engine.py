@@ -166,7 +166,8 @@ class Engine:
                 self._cache, self._state = jax.device_put((self._cache, self._state), self.device)
 
     def _precompile(self, prompt_lens) -> None:
-        """Run every prefill (rows x time bucket) and decode (slots bucket) shape once, changing nothing."""
+        """Run every prefill (rows x time bucket) and decode (slots bucket, unless `precompile_decode` is off)
+        shape once, changing nothing."""
         with self._on_device():
             self._compile_shapes(prompt_lens)
 
@@ -180,7 +181,7 @@ class Engine:
                 with self._lock:
                     self._cache, self._state, *_ = self._prefill(self._leaves, self._cache, self._state, batch, self.kernels, False)
                 rows, shapes = 4 * rows, shapes + 1
-        for slots_used in slots_buckets(config.max_seqs):
+        for slots_used in slots_buckets(config.max_seqs) if config.precompile_decode else ():
             with self._lock:
                 self._cache, self._state, *_ = self._decode(
                     self._leaves, self._cache, self._state, self.kernels, config.decode_steps, slots_used, False

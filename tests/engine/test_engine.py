@@ -200,6 +200,22 @@ def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_ar
         engine.stop()
 
 
+def test_without_precompiled_decode_one_token_requests_compile_nothing_and_a_longer_one_compiles_decode():
+    config = EngineConfig(
+        max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,), precompile_decode=False
+    )
+    engine = Engine(config, tiny("llama", 0))
+    try:
+        assert engine.compiled_variants()["decode"] == 0 and engine.compiled_variants()["prefill"] > 0
+        run(engine, [job(range(1, 11), n=n, max_tokens=1, seed=n) for n in (1, 3, 8)])  # the token comes from the prefill
+        assert engine.stats.compilations == 0 and engine.compiled_variants()["decode"] == 0
+        run(engine, [job(range(1, 11), max_tokens=3)])
+        assert engine.stats.compilations == 1 and engine.compiled_variants()["decode"] == 1
+        assert engine.stats.errors == 0 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+
+
 def test_swapped_weights_must_match_the_served_ones_leaf_for_leaf():
     from marin_rl.engine._weights import check_same_architecture, serving_weights, weight_leaves
 
