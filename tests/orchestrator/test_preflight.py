@@ -10,6 +10,7 @@ from marin_rl.cli import main
 from marin_rl.config import load_config
 from marin_rl.errors import ConfigError, RunDirError
 from marin_rl.orchestrator import _train
+from marin_rl.orchestrator._preflight import check_run
 
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -113,3 +114,9 @@ def test_resume_says_which_checkpoint_it_starts_from(tmp_path, monkeypatch, caps
     monkeypatch.setattr(_train, "_train", lambda config, run_dir, *args: _train.TrainResult(run_dir, 5, False))
     assert main(["train", QUICKSTART, f"--run_dir={run_dir}", "--resume", "--max_steps=5"]) == 0
     assert f"resuming from {run_dir / 'checkpoints' / 'step-4'}\n" in capsys.readouterr().out
+
+
+def test_decode_shapes_left_out_of_the_precompile_are_noted_when_an_env_decodes(tmp_path):
+    config = load_config(QUICKSTART, [f"--run_dir={tmp_path / 'run'}", "--envs.addition.sampling.max_tokens=4"])
+    notes = check_run(config, resume=False).notes
+    assert [n for n in notes if n.startswith("server.precompile_decode is off but addition asks for more than one token")]
