@@ -72,7 +72,7 @@ def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
         checked.envs[env_config.name] = env
         checked.prompts[env_config.name] = lengths
         checked.notes += _check_rows(env_config, key, lengths, config)
-    decoding = [name for name, lengths in checked.prompts.items() if lengths.max_tokens > 1]
+    decoding = [name for name, prompts in checked.prompts.items() if prompts.max_tokens > 1]
     if config.server.precompile_prompt_lens and not config.server.precompile_decode and decoding:
         checked.notes.append(
             f"server.precompile_decode is off but {', '.join(decoding)} asks for more than one token: "
