@@ -98,7 +98,7 @@ def test_a_rollout_is_a_conversation_with_coloured_tokens_and_a_link(browser, se
     roles = [e.text for e in browser.find_elements("css selector", "#detail .role")]
     assert [r.split(" ·")[0].lower() for r in roles] == [t.role for t in rollout.turns]
     (token,) = browser.find_elements("css selector", "#detail .tok")  # the quickstart samples one token
-    assert token.text == rollout.turns[-1].content
+    assert token.get_attribute("textContent") == rollout.turns[-1].content
     assert float(token.get_attribute("data-logprob")) == pytest.approx(float(rollout.turns[-1].logprobs[0]), abs=1e-4)
     assert float(token.get_attribute("data-advantage")) == pytest.approx(advantage, abs=1e-4)
 
@@ -136,4 +136,8 @@ def test_the_html_file_holds_the_newest_rollouts_and_works_offline(browser, serv
     clicked = first.get_attribute("data-uid")
     first.click()
     wait_for(browser, lambda: browser.find_element("id", "permalink").text == clicked)
-    assert browser.find_element("css selector", "#detail .turn.assistant .content").text  # the conversation, from the file
+    # The conversation, from the file. textContent keeps a sampled space or newline, which `.text` strips.
+    (rollout,) = [r for r in read_rollouts(run_dir) if r.rollout_uid == clicked]
+    contents = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "#detail .turn .content")]
+    assert contents == [turn.content for turn in rollout.turns]
+    assert contents[0].strip(), "the prompt is missing"
