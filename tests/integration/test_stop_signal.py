@@ -31,6 +31,7 @@ def test_sigterm_flushes_rollouts_and_checkpoints(tmp_path):
         output, _ = process.communicate(timeout=120)
     finally:
         process.kill()  # a hung run must not outlive the test
+        process.wait()
     assert process.returncode == 0, output
     assert "SIGTERM" in output and "stopped early" in output
 

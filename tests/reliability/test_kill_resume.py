@@ -138,6 +138,7 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
     finally:
         if process is not None and process.poll() is None:
             process.kill()  # a failed check must not leave a run training past the test
+            process.wait()
     print(f"seed {seed}: kills {kills}")
 
     # Identical parameters and optimizer state; one line per step with the uninterrupted metrics.
