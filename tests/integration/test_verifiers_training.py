@@ -26,7 +26,7 @@ def test_reward_of_a_verifiers_taskset_rises(tmp_path):
             "replicas": 8,
             "group_size": 16,
             "sampling": {"temperature": 1.0, "max_tokens": 1},
-            "algorithm": {"type": "rloo"},
+            "algorithm": {"type": "grpo"},  # as the quickstart: RLOO can stall with prompts locked on a wrong digit
             "buffer": {"max_age": 1},
         }
     ]
@@ -40,7 +40,7 @@ def test_reward_of_a_verifiers_taskset_rises(tmp_path):
     rewards = [r["replays/vf-addition/reward/mean"] for r in records if "replays/vf-addition/reward/mean" in r]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")
-    assert last > first + 0.25  # chance is about 0.01; observed: 0.06 -> 0.42..0.71 over runs
+    assert last > first + 0.25  # chance is about 0.01; GRPO: 0.06 -> 0.48, 0.57 (RLOO: 0.42-0.71, once 0.30)
     assert all(r.get("workers/vf-addition/errors", 0) == 0 for r in records)
     # A connection or server the run left open is reported here (warnings are errors), not in a later test.
     gc.collect()
