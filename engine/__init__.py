@@ -11,7 +11,7 @@ The config imports eagerly; the rest (JAX, Levanter) loads on first use.
 
 import importlib
 
-from marin_rl.engine._config import EngineConfig
+from marin_rl.engine._config import EngineConfig, ExactLayout
 from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
 
@@ -21,9 +21,14 @@ _LAZY = {
     "PageAllocator": "_pages",
     "ServingWeights": "_weights",
     "serving_weights": "_weights",
+    "unrolled_weights": "_weights",
+    "exact_hidden_states": "_exact",
+    "exact_token_logprobs": "_exact",
+    "row_windows": "_exact",
+    "attention_scale": "_forward",
 }
 
-__all__ = ["DeviceLock", "EngineConfig", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
+__all__ = ["DeviceLock", "EngineConfig", "ExactLayout", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from marin_rl.engine._config import ExactLayout
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -44,6 +46,9 @@ class AttentionKernels:
     """Pallas: software-pipelining stages of the inner loop."""
     interpret: bool = False
     """Pallas: run the kernel through the interpreter (to test it on CPU)."""
+    exact: ExactLayout | None = None
+    """Set: every pass is the exact one of `_exact.py` (batch-invariant, the learner's bits), whatever
+    `decode` and `prefill` say."""
 
     def table_width(self, pages_per_seq: int) -> int:
         """Width of the block tables: the Pallas kernel splits them into `k_splits` equal partitions,
@@ -65,8 +70,11 @@ class AttentionKernels:
         return splits
 
 
-def choose_kernels(choice: str, dtype, platform: str | None = None) -> AttentionKernels:
-    """`choice` is EngineConfig.attention: "auto" picks the GPU kernels on a GPU with a 16-bit cache."""
+def choose_kernels(choice: str, dtype, platform: str | None = None, exact: ExactLayout | None = None) -> AttentionKernels:
+    """`choice` is EngineConfig.attention: "auto" picks the GPU kernels on a GPU with a 16-bit cache.
+    With `exact`, the exact passes replace them (the block tables keep the gathered layout)."""
+    if exact is not None:
+        return AttentionKernels(decode="jax", prefill="xla", exact=exact)
     platform = platform or jax.default_backend()
     half = jnp.dtype(dtype).itemsize == 2
     if choice == "pallas" and platform != "gpu":

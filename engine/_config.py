@@ -9,6 +9,20 @@ _ATTENTION = ("auto", "pallas", "jax")
 
 
 @dataclass(frozen=True)
+class ExactLayout:
+    """The fixed shapes of the exact forward pass (`_exact.py`); the engine and the learner use equal ones."""
+
+    tile: int
+    """Tokens per tile: every matmul and reduction of the pass is `tile` rows."""
+    context: int
+    """Keys every attention window holds (the longest sequence the engine serves, in whole KV pages)."""
+
+    def __post_init__(self):
+        if self.tile < 1 or self.context < 1:
+            raise ValueError(f"ExactLayout: tile and context must be >= 1, got {self.tile} and {self.context}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The generation engine: continuous batching over `max_seqs` slots and a paged KV cache (docs/serving.md)."""
 
@@ -55,9 +69,15 @@ class EngineConfig:
     """When a request arrives at an idle engine, wait this long for others to prefill with it."""
     seed: int = 0
     """Seeds the sampling keys of requests that give no `seed`."""
+    exact_numerics: bool = False
+    """Batch-invariant passes: a sequence's log-probs are the same bits whatever is batched with it,
+    and the learner's exact scoring gives them too (docs/algorithms.md). Slower; `deterministic: true`
+    runs turn it on."""
+    exact_tile: int = 16
+    """Tokens per tile of the exact passes (every matmul and reduction is this many rows)."""
 
     def __post_init__(self):
-        for name in ("max_seqs", "max_seq_len", "page_size", "decode_steps", "max_stop_sequences", "max_stop_tokens"):
+        for name in ("max_seqs", "max_seq_len", "page_size", "decode_steps", "max_stop_sequences", "max_stop_tokens", "exact_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:
@@ -85,6 +105,11 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def exact_layout(self) -> ExactLayout | None:
+        """The exact passes' shapes (None unless `exact_numerics`): windows of a whole max_seq_len in pages."""
+        return ExactLayout(self.exact_tile, self.pages_per_seq * self.page_size) if self.exact_numerics else None
 
     @property
     def prefill_tokens(self) -> int:

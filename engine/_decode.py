@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from marin_rl.engine._attention import AttentionKernels
-from marin_rl.engine._forward import decode_forward, prefill_forward, prompt_logits
+from marin_rl.engine._forward import decode_forward, prefill_forward, prompt_logprobs
 from marin_rl.engine._kv_cache import KvCache
 from marin_rl.engine._pages import SCRATCH_PAGE
 from marin_rl.engine._sampling import NO_TOKEN, hits_stop, push_history, sample, sample_key_data
@@ -93,12 +93,15 @@ def prefill_insert(weights: ServingWeights, cache: KvCache, state: SlotState, ba
 
     Returns `(cache, state, first_tokens, first_logprobs, finished)`, the last three per slot (only the
     new slots' entries mean anything); a sample whose first token ends it is never active."""
-    logits, cache = prefill_forward(
+    scores, cache = prefill_forward(
         weights, kernels, cache, batch.token_ids, batch.lengths, batch.write_pages, batch.copy_tokens, batch.copy_pages
     )
     positions = batch.lengths[batch.prompt_row]  # the first sampled token follows the prompt
     keys = sample_key_data(batch.seed_keys, batch.sample_index)
-    tokens, logprobs = sample(logits[batch.prompt_row], keys, positions, batch.temperature, batch.top_p, batch.top_k, truncate=truncate)
+    tokens, logprobs = sample(
+        scores[batch.prompt_row], keys, positions, batch.temperature, batch.top_p, batch.top_k,
+        truncate=truncate, normalized=kernels.exact is not None,
+    )
     history = push_history(jnp.full_like(state.history, NO_TOKEN), tokens, batch.is_new)
     finished = hits_stop(history, batch.stops) | (positions >= batch.end_position)
     new = SlotState(
@@ -142,9 +145,11 @@ def decode_chunk(
         # Idle slots write nowhere (out of range): the active ones' targets are distinct, as
         # `write_tokens` needs.
         write_pages = jnp.where(s.active, s.block_tables[slots, s.positions // page_size], cache.keys[0].shape[1])
-        logits, cache = decode_forward(weights, kernels, cache, s.tokens, s.positions, s.block_tables, write_pages)
+        scores, cache = decode_forward(weights, kernels, cache, s.tokens, s.positions, s.block_tables, write_pages)
         next_positions = s.positions + 1
-        tokens, logprobs = sample(logits, s.keys, next_positions, s.temperature, s.top_p, s.top_k, truncate=truncate)
+        tokens, logprobs = sample(
+            scores, s.keys, next_positions, s.temperature, s.top_p, s.top_k, truncate=truncate, normalized=kernels.exact is not None
+        )
         history = push_history(s.history, tokens, s.active)
         finished = s.active & (hits_stop(history, s.stops) | (next_positions >= s.end_position))
         emitted = jnp.where(s.active, tokens, -1)
@@ -170,7 +175,7 @@ def deactivate(state: SlotState, slots_mask: Bool[Array, " slots"]) -> SlotState
 def score_prompt(weights: ServingWeights, kernels: AttentionKernels, token_ids, length, top_k: int):
     """Log-prob, rank and top-k alternatives of each prompt token after the first (`token_ids` `[1, t]`
     padded at the end; causal attention makes the padding irrelevant)."""
-    logp = jax.nn.log_softmax(prompt_logits(weights, kernels, token_ids, length)[0, :-1], axis=-1)
+    logp = prompt_logprobs(weights, kernels, token_ids, length)[0, :-1]
     token_logp = jnp.take_along_axis(logp, token_ids[0, 1:, None], axis=-1)[:, 0]
     ranks = 1 + jnp.sum(logp > token_logp[:, None], axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp, top_k)

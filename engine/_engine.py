@@ -113,7 +113,7 @@ class Engine:
         self._weights = self.prepare(model, check=False)
         self._leaves = weight_leaves(self._weights)
         attention = self._weights.attention_config
-        self.kernels = choose_kernels(config.attention, self._weights.dtype)
+        self.kernels = choose_kernels(config.attention, self._weights.dtype, exact=config.exact_layout)
         self.cache_spec = plan_kv_cache(
             config,
             num_layers=len(self._weights.layers),

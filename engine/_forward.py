@@ -2,7 +2,10 @@
 
 Each layer is Levanter's decoder layer written out with the attention call replaced: the projections,
 q/k norms (Qwen3), rotary embeddings, MLP and norms are the learner's code, so the engine's log-probs
-are the learner's. Layers are unrolled (each has its own weights and KV arrays).
+are the learner's up to float rounding. Layers are unrolled (each has its own weights and KV arrays).
+
+With `kernels.exact` the passes are the exact ones of `_exact.py` instead, and return log-probs: the
+learner's bits, whatever is batched together.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from marin_rl.engine._attention import AttentionKernels, decode_attention, prefill_attention
+from marin_rl.engine._exact import exact_hidden_states, exact_log_softmax, page_windows, row_windows
 from marin_rl.engine._kv_cache import KvCache, write_tokens
 from marin_rl.engine._weights import ServingWeights
 
@@ -69,12 +73,23 @@ def decode_forward(
     write_pages: jax.Array,
 ) -> tuple[jax.Array, KvCache]:
     """One token per sequence: write its keys/values at `positions` into page `write_pages[b]`
-    (out of range for idle slots: dropped), attend to the sequence so far; float32 logits `[b, vocab]`."""
+    (out of range for idle slots: dropped), attend to the sequence so far; float32 logits `[b, vocab]`
+    (log-probs with `kernels.exact`)."""
     page_size = cache.keys[0].shape[2]
     scale = attention_scale(weights)
     offsets = positions % page_size
     lengths = (positions + 1).astype(jnp.int32)
     keys, values = [], []
+    if kernels.exact is not None:
+
+        def stored(i, k, v):
+            keys.append(write_tokens(cache.keys[i], k, write_pages, offsets))
+            values.append(write_tokens(cache.values[i], v, write_pages, offsets))
+            return _flat(keys[i]), _flat(values[i])
+
+        windows = page_windows(block_tables, page_size, kernels.exact.context)
+        hidden = exact_hidden_states(weights, kernels.exact, tokens, positions, windows, lengths, stored, scale)
+        return exact_log_softmax(weights, kernels.exact, hidden), KvCache(tuple(keys), tuple(values))
 
     def attend(i, q, k, v):
         keys.append(write_tokens(cache.keys[i], k[:, 0], write_pages, offsets))
@@ -98,7 +113,8 @@ def prefill_forward(
     """Whole prompts `[p, t]` (row r holds `lengths[r]` tokens, then padding): write every token's
     keys/values into page `write_pages[r, t]` (out of range for padding: dropped), and token
     `copy_tokens[i]` of the flattened prompts again into page `copy_pages[i]` (the other samples'
-    copies of partial pages); float32 logits `[p, vocab]` of each prompt's last token."""
+    copies of partial pages); float32 logits `[p, vocab]` of each prompt's last token (log-probs with
+    `kernels.exact`)."""
     p, t = token_ids.shape
     page_size = cache.keys[0].shape[2]
     scale = attention_scale(weights)
@@ -114,6 +130,24 @@ def prefill_forward(
         flat = x.reshape(p * t, *x.shape[2:])
         return jnp.concatenate([flat, flat[copy_tokens]])
 
+    if kernels.exact is not None:
+
+        def stored(i, k, v):  # k `[p * t, kv_heads, head]`; the windows read the fresh ones
+            keys.append(write_tokens(cache.keys[i], jnp.concatenate([k, k[copy_tokens]]), pages, offsets))
+            values.append(write_tokens(cache.values[i], jnp.concatenate([v, v[copy_tokens]]), pages, offsets))
+            return jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+
+        # Positions made opaque: XLA would fold a constant's rotary sines at compile time, in other last
+        # bits than the same sines of the positions the learner and a decode step compute at run time.
+        flat_positions = jax.lax.optimization_barrier(positions.reshape(-1))
+        starts = jnp.repeat(jnp.arange(p, dtype=jnp.int32) * t, t)
+        windows = row_windows(starts, flat_positions, kernels.exact.context)
+        hidden = exact_hidden_states(
+            weights, kernels.exact, token_ids.reshape(-1), flat_positions, windows, flat_positions + 1, stored, scale
+        )
+        last = hidden.reshape(p, t, -1)[jnp.arange(p), jnp.maximum(lengths - 1, 0)]
+        return exact_log_softmax(weights, kernels.exact, last), KvCache(tuple(keys), tuple(values))
+
     def attend(i, q, k, v):
         keys.append(write_tokens(cache.keys[i], tokens_and_copies(k), pages, offsets))
         values.append(write_tokens(cache.values[i], tokens_and_copies(v), pages, offsets))
@@ -124,10 +158,25 @@ def prefill_forward(
     return logits_of(weights, last), KvCache(tuple(keys), tuple(values))
 
 
-def prompt_logits(weights: ServingWeights, kernels: AttentionKernels, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
-    """float32 logits `[p, t, vocab]` at every position of padded prompts, without a KV cache."""
+def prompt_logprobs(weights: ServingWeights, kernels: AttentionKernels, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    """float32 log-probs `[p, t, vocab]` of the next token at every position of padded prompts, without a KV cache."""
     p, t = token_ids.shape
     scale = attention_scale(weights)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+    if kernels.exact is not None:
+        flat_positions = jax.lax.optimization_barrier(positions.reshape(-1))  # see `prefill_forward`
+        windows = row_windows(jnp.repeat(jnp.arange(p, dtype=jnp.int32) * t, t), flat_positions, kernels.exact.context)
+
+        def fresh(i, k, v):
+            return jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+
+        hidden = exact_hidden_states(weights, kernels.exact, token_ids.reshape(-1), flat_positions, windows, flat_positions + 1, fresh, scale)
+        return exact_log_softmax(weights, kernels.exact, hidden).reshape(p, t, -1)
     hidden = hidden_states(weights, token_ids, positions, lambda i, q, k, v: prefill_attention(kernels, q, k, v, lengths, scale))
-    return logits_of(weights, hidden)
+    return jax.nn.log_softmax(logits_of(weights, hidden), axis=-1)
+
+
+def _flat(pages: jax.Array) -> jax.Array:
+    """`[kv_heads, pages, page_size, head]` as `[kv_heads, pages * page_size, head]` (what windows index)."""
+    kv_heads, num_pages, page_size, head = pages.shape
+    return pages.reshape(kv_heads, num_pages * page_size, head)

@@ -28,7 +28,7 @@ def sample_key_data(seed_keys: jax.Array, sample_index: jax.Array) -> jax.Array:
     return jax.vmap(fold)(seed_keys, sample_index)
 
 
-def sample(logits, base_keys, positions, temperature, top_p, top_k, *, truncate: bool):
+def sample(logits, base_keys, positions, temperature, top_p, top_k, *, truncate: bool, normalized: bool = False):
     """Draw one token per row of `logits` `[batch, vocab]` (float32) at `positions` `[batch]`.
 
     Returns `(tokens, logprobs)`: the log-prob of each token under the distribution it was drawn from
@@ -37,10 +37,14 @@ def sample(logits, base_keys, positions, temperature, top_p, top_k, *, truncate:
 
     `truncate` (static) is whether any row may ask for top-p/top-k (`truncates`): the host knows, and
     False compiles the sort out, where a `lax.cond` on the rows had XLA read its predicate back to the
-    host every step."""
+    host every step. `normalized` (static): `logits` are already the model's log-probs (the exact
+    passes'), reported as they are at temperature 1 and greedy (a second log-softmax would move their
+    last bits off the learner's)."""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
+    if normalized:
+        logp = jnp.where(((temperature == 1) | greedy)[:, None], logits, logp)
     if truncate:
         truncating = ~greedy & ((top_p < 1) | (top_k > 0))
         logp = jnp.where(truncating[:, None], _truncate(logp, top_p, top_k), logp)

@@ -62,6 +62,18 @@ def check_supported(model) -> None:
         raise ValueError("the generation engine does not support sliding-window attention")
 
 
+def unrolled_weights(model) -> ServingWeights:
+    """`model`'s weights as `ServingWeights`, without a copy (layers sliced out of the stacked arrays):
+    how the learner runs the exact passes on its own model inside its step."""
+    return ServingWeights(
+        embeddings=model.embeddings,
+        layers=_layer_modules(model),
+        norm=model.transformer.norm,
+        lm_head=model.get_lm_head().rearrange(("vocab", model.Embed)),
+        config=model.config,
+    )
+
+
 @eqx.filter_jit
 def _serving_weights(model, dtype) -> ServingWeights:
     def cast(x):
@@ -69,13 +81,7 @@ def _serving_weights(model, dtype) -> ServingWeights:
             return x.astype(dtype)
         return x
 
-    weights = ServingWeights(
-        embeddings=model.embeddings,
-        layers=_layer_modules(model),
-        norm=model.transformer.norm,
-        lm_head=model.get_lm_head().rearrange(("vocab", model.Embed)),
-        config=model.config,
-    )
+    weights = unrolled_weights(model)
     # `+ 0` makes every leaf a fresh buffer even where no cast happens: the learner may donate or
     # overwrite its arrays after handing the model over.
     return jax.tree.map(lambda x: cast(x) + 0 if eqx.is_array(x) else x, weights)

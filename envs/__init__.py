@@ -22,7 +22,7 @@ from marin_rl.envs._parsers import (
 )
 from marin_rl.envs._problems import Problem, ProblemStream, load_problems, problems_from
 from marin_rl.envs._reasoning_gym import ReasoningGymEnv
-from marin_rl.envs._toy import ToyAdditionEnv
+from marin_rl.envs._toy import ToyAdditionEnv, ToyNextLetterEnv
 from marin_rl.envs._rewards import EnvMetrics, Scores, VerifierThreads
 from marin_rl.envs._verifiers import VerifiersEnv
 from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, pass_at_k, resolve_settings, sample_group
@@ -59,6 +59,7 @@ __all__ = [
     "Scores",
     "ScriptedSampler",
     "ToyAdditionEnv",
+    "ToyNextLetterEnv",
     "VerifierThreads",
     "Transcript",
     "VerifiersEnv",

@@ -76,6 +76,9 @@ class Env:
 
     max_turns: ClassVar[int] = 1
     """Most assistant turns per rollout; more than 1 needs `interact`."""
+    length_ends_rollout: ClassVar[bool] = True
+    """A turn cut at `max_tokens` ends the rollout, as truncated (its message is unfinished). False: the
+    conversation goes on as after any turn, for answers of a fixed number of tokens (one-token moves)."""
     sampling: ClassVar[SamplingParams] = SamplingParams()
     """Default sampling; the run config's sampling replaces it, except for `stop` strings, which add up."""
     system_prompt: ClassVar[str | None] = None

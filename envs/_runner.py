@@ -134,7 +134,8 @@ async def run_turns(
         raise RuntimeError(f"env {env.name!r}: sampler returned {len(first)} completions, asked for {n}")
     group_id = uuid.uuid4().hex
     return await gather_all(
-        _one_rollout(env, problem, sampler, prompt.copy(), c, settings, metrics, group_id) for c in first
+        _one_rollout(env, problem, sampler.fork("rollout", i), prompt.copy(), c, settings, metrics, group_id)
+        for i, c in enumerate(first)
     )
 
 
@@ -165,7 +166,7 @@ async def _one_rollout(
     metadata: dict[str, Any] = {}
     while True:
         transcript.add_completion(completion)
-        if completion.finish_reason == "length":
+        if completion.finish_reason == "length" and env.length_ends_rollout:
             stop_reason = "length"
             break
         if transcript.num_assistant_turns >= settings.max_turns:
@@ -293,12 +294,12 @@ async def evaluate(
     metrics = EnvMetrics(env.name)
     gate = asyncio.Semaphore(max_concurrency)
 
-    async def one(problem: Problem) -> list[Rollout]:
+    async def one(index: int, problem: Problem) -> list[Rollout]:
         async with gate:
             return await sample_group(
                 env,
                 problem,
-                sampler,
+                sampler.fork("problem", index),  # seeds that do not depend on which problem starts first
                 n,
                 sampling,
                 reward_weights=reward_weights,
@@ -308,7 +309,7 @@ async def evaluate(
                 metrics=metrics,
             )
 
-    groups = await gather_all(one(p) for p in problems)
+    groups = await gather_all(one(i, p) for i, p in enumerate(problems))
     rollouts = [r for group in groups for r in group]
     names = rollouts[0].rewards.keys()
     return EvalResult(

@@ -99,6 +99,12 @@ class Sampler(ABC):
     async def aclose(self) -> None:
         """Release connections; call before the event loop closes."""
 
+    def fork(self, *key: int | str) -> Sampler:
+        """The sampler for one part of the work, e.g. `fork("rollout", i)` for the later turns of a group's
+        i-th rollout: a seeded sampler gives each key a random stream of its own (so conversations that
+        coincide still sample apart); others return themselves."""
+        return self
+
 
 class OpenAISampler(Sampler):
     """Samples from an OpenAI-compatible server with vLLM's token-id extensions.

@@ -55,6 +55,8 @@ class Session:
     stop_reason: str | None = None
     """`max_turns` or `max_total_tokens` when this endpoint ended the conversation (on the turn before)."""
     malformed_tool_calls: int = 0
+    sampler: Sampler | None = None
+    """Samples its turns after the first: the group's sampler forked for this rollout (its own seeds)."""
 
 
 def _text(content: Any) -> str:
@@ -98,9 +100,11 @@ class FirstTurns:
         self.window_s = window_s
         self._open: dict[tuple, _Batch] = {}
         self._drawn: collections.Counter = collections.Counter()
+        self._sampled = 0
         self._tasks: list[asyncio.Task] = []
 
-    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def sample(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, Completion]:
+        """A completion of `prompt_ids`, and its index among this group's first turns."""
         key = (tuple(prompt_ids), params)
         batch = self._open.get(key)
         if batch is None:
@@ -111,7 +115,8 @@ class FirstTurns:
         batch.size += 1
         if batch.size >= self.group_size:
             batch.full.set()
-        return (await asyncio.shield(batch.task))[index]
+        self._sampled += 1
+        return self._sampled - 1, (await asyncio.shield(batch.task))[index]
 
     async def _draw(self, key: tuple, batch: _Batch, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
         with contextlib.suppress(TimeoutError):
@@ -168,9 +173,10 @@ class ChatSessions:
                 f"max_total_tokens={self.settings.max_total_tokens}"
             )
         if session.transcript is None:
-            completion = await self.first_turns.sample(prompt_ids, params)
+            index, completion = await self.first_turns.sample(prompt_ids, params)
+            session.sampler = self.sampler.fork("rollout", index)
         else:
-            [completion] = await self.sampler.sample(prompt_ids, 1, params)
+            [completion] = await session.sampler.sample(prompt_ids, 1, params)
         message, finish = self._reply(session, transcript, completion, tools)
         session.transcript = transcript
         session.seen = [*(_key(m) for m in messages), _key(message)]

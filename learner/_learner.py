@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.engine import ExactLayout
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
 from marin_rl.learner._mesh import LearnerMesh
@@ -43,6 +44,8 @@ class Learner:
     - `model` is the current model (float32 parameters). Its arrays are never donated to the step, so
       whoever holds it (a colocated inference server) can keep using it after later steps.
     - `save_checkpoint()` / `restore_latest()` / `export_hf()` write under `run_dir`.
+    - `last_logprobs` holds the learner's log-prob of every token of the last step's batch (before its
+      update), to compare with the behaviour log-probs.
     """
 
     def __init__(
@@ -55,11 +58,16 @@ class Learner:
         key,
         vocab_size: int | None = None,
         mesh: LearnerMesh | None = None,
+        exact: ExactLayout | None = None,
     ):
         """`tokenizer` is saved with HF exports and handed to Levanter's HF loader (None: the checkpoint
         directory's own). A fresh model gets `vocab_size` rows of embedding, by default `len(tokenizer)`.
-        `mesh`: train data-parallel over its devices (None: on the default device)."""
+        `mesh`: train data-parallel over its devices (None: on the default device). `exact`: score with
+        the engine's exact passes of this layout (`exact_sequence_logprobs`): the log-probs an engine
+        with the same layout and compute dtype sampled with, bit for bit."""
         self.config = config
+        self.exact = exact
+        self.last_logprobs: np.ndarray | None = None
         self.mesh = mesh
         self.model_config = model_config
         self.run_dir = Path(run_dir)
@@ -89,8 +97,9 @@ class Learner:
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
         inputs = self._step_inputs(example, step_key)
-        self.model, self._opt_state, device_metrics = _train_step(inputs, self._opt_state)
-        metrics = {name: float(value) for name, value in jax.device_get(device_metrics).items()}
+        self.model, self._opt_state, device_metrics, logprobs = _train_step(inputs, self._opt_state)
+        device_metrics, self.last_logprobs = jax.device_get((device_metrics, logprobs))
+        metrics = {name: float(value) for name, value in device_metrics.items()}
         elapsed = time.perf_counter() - start
         self.policy_version += 1
         if not math.isfinite(metrics["loss"]):
@@ -113,7 +122,7 @@ class Learner:
         step = jnp.asarray(self.policy_version, jnp.int32)
         if self.mesh is not None:
             example = self.mesh.place_batch(example)
-        return (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh)
+        return (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh, self.exact)
 
     def _place(self, tree):
         return tree if self.mesh is None else self.mesh.place_params(tree)
@@ -189,9 +198,9 @@ class Learner:
 @eqx.filter_jit(donate="all-except-first")
 def _train_step(inputs, opt_state):
     """Loss and gradients over microbatches, then the optimizer update."""
-    config, dtype, model, example, reference, key, step, mesh = inputs
-    loss, grads, metrics = loss_and_gradients(
-        model, example, config=config, compute_dtype=dtype, reference=reference, key=key
+    config, dtype, model, example, reference, key, step, mesh, exact = inputs
+    loss, grads, metrics, logprobs = loss_and_gradients(
+        model, example, config=config, compute_dtype=dtype, reference=reference, key=key, exact=exact
     )
     optimizer, schedule = build_optimizer(config.optimizer)
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -200,7 +209,7 @@ def _train_step(inputs, opt_state):
     if mesh is not None:  # keep the placement the step was compiled for (else the next step recompiles)
         model, opt_state = mesh.place_params((model, opt_state))
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(step)}
-    return model, opt_state, metrics
+    return model, opt_state, metrics, logprobs
 
 
 def _hash(record: dict) -> str:

@@ -8,12 +8,16 @@ segment has no prediction inside its rollout and gets 0 (as do padding tokens); 
 The log-softmax over a large vocabulary is never materialised as `[tokens, vocab]`: a custom VJP runs over
 blocks of vocabulary columns with a running max / sum-exp (like Levanter's blockwise cross-entropy), in the
 forward pass and again in the backward pass.
+
+`exact_sequence_logprobs` gives the values of the engine's exact passes instead (the bits the engine sampled
+with), differentiated as `sequence_logprobs` is.
 """
 
 from __future__ import annotations
 
 import functools
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.engine import ExactLayout, attention_scale, exact_hidden_states, exact_token_logprobs, row_windows, unrolled_weights
 from marin_rl.learner._loss import scored_tokens
 from marin_rl.rl_example import BATCH_AXIS, POS_AXIS, RlExample
 
@@ -84,6 +89,57 @@ def sequence_logprobs(
         hax.named(jnp.where(scored, logp, 0.0), (Batch, Pos)),
         hax.named(jnp.where(scored, entropy, 0.0), (Batch, Pos)),
     )
+
+
+def exact_sequence_logprobs(
+    model: LmHeadModel,
+    input_ids: NamedArray,
+    position_ids: NamedArray,
+    segment_ids: NamedArray,
+    layout: ExactLayout,
+    *,
+    vocab_block_size: int = 16384,
+) -> tuple[NamedArray, NamedArray]:
+    """`sequence_logprobs`, with the values of the engine's exact passes (`marin_rl.engine._exact`): a
+    rollout's log-probs are the bits the engine computed when it sampled it with these weights, at any
+    place in any row. The gradient is `sequence_logprobs`'s (the exact passes run in the forward only)."""
+    Batch, Pos = input_ids.resolve_axis(BATCH_AXIS), input_ids.resolve_axis(POS_AXIS)
+    ids, positions, segments = (x.rearrange((Batch, Pos)).array for x in (input_ids, position_ids, segment_ids))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def standard(params):
+        named = [hax.named(x, (Batch, Pos)) for x in (ids, positions, segments)]
+        logp, entropy = sequence_logprobs(eqx.combine(params, static), *named, vocab_block_size=vocab_block_size)
+        return logp.array, entropy.array
+
+    @jax.custom_vjp
+    def logprobs(params):
+        weights = unrolled_weights(eqx.combine(params, static))
+        rows, length = ids.shape
+        flat_positions = positions.reshape(-1)
+        starts = jnp.arange(rows * length, dtype=jnp.int32) - flat_positions  # each token's segment starts here
+        windows = row_windows(starts, flat_positions, layout.context)
+        keys_values = lambda i, k, v: (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))  # noqa: E731
+        hidden = exact_hidden_states(
+            weights, layout, ids.reshape(-1), flat_positions, windows, flat_positions + 1, keys_values, attention_scale(weights)
+        )
+        # The causal shift as in `sequence_logprobs`: position t scores token t + 1.
+        next_ids = jnp.roll(ids, -1, axis=1).reshape(-1)
+        next_logp, next_entropy = exact_token_logprobs(weights, layout, hidden, next_ids)
+        scored = scored_tokens(segments)
+        logp = jnp.where(scored, jnp.roll(next_logp.reshape(rows, length), 1, axis=1), 0.0)
+        entropy = jnp.where(scored, jnp.roll(next_entropy.reshape(rows, length), 1, axis=1), 0.0)
+        return logp, entropy
+
+    def forward(params):
+        return logprobs(params), params
+
+    def backward(params, cotangents):
+        return jax.vjp(standard, params)[1](cotangents)
+
+    logprobs.defvjp(forward, backward)
+    logp, entropy = logprobs(params)
+    return hax.named(logp, (Batch, Pos)), hax.named(entropy, (Batch, Pos))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.engine import ExactLayout
 from marin_rl.learner._config import LearnerConfig
-from marin_rl.learner._logprobs import sequence_logprobs
+from marin_rl.learner._logprobs import exact_sequence_logprobs, sequence_logprobs
 from marin_rl.learner._loss import LOSS_METRICS, LossInputs, aggregation_weights, policy_loss, scored_tokens
 from marin_rl.learner._model import cast_floating
 from marin_rl.rl_example import BATCH_AXIS, PADDING_SEGMENT_ID, POS_AXIS, RlExample
@@ -30,12 +31,15 @@ def loss_and_gradients(
     compute_dtype,
     reference: LmHeadModel | None = None,
     key=None,
+    exact: ExactLayout | None = None,
 ):
-    """(loss, gradients with the structure of `eqx.filter(model, eqx.is_inexact_array)`, metrics).
+    """(loss, gradients with the structure of `eqx.filter(model, eqx.is_inexact_array)`, metrics, log-probs).
 
     The model runs in `compute_dtype` (its float32 parameters get float32 gradients). With
     `config.loss.beta > 0`, reference log-probs are the example's, or else computed with `reference`.
-    Metrics: those of `policy_loss`, plus `num_tokens` (non-padding) and `num_loss_tokens`.
+    Metrics: those of `policy_loss`, plus `num_tokens` (non-padding) and `num_loss_tokens`. The log-probs
+    `[batch, position]` are the learner's of every token (0 where not scored): with `exact`, the values of
+    the engine's exact passes (`exact_sequence_logprobs`).
     """
     Batch = example.input_ids.resolve_axis(BATCH_AXIS)
     microbatch = config.microbatch_rows or Batch.size
@@ -66,16 +70,20 @@ def loss_and_gradients(
     microbatches = jax.tree.map(lambda x: x.reshape(num_microbatches, microbatch, *x.shape[1:]), (tokens, loss_inputs))
     keys = jax.random.split(key if key is not None else jax.random.PRNGKey(0), num_microbatches)
 
-    def logprobs(model, tokens, key):
+    def logprobs(model, tokens, key, exact=None):
         Mb = hax.Axis(BATCH_AXIS, tokens[0].shape[0])
         Pos = hax.Axis(POS_AXIS, tokens[0].shape[1])
         named = [hax.named(x, (Mb, Pos)) for x in tokens]
-        logp, entropy = sequence_logprobs(model, *named, vocab_block_size=config.vocab_block_size, key=key)
+        if exact is not None:
+            logp, entropy = exact_sequence_logprobs(model, *named, exact, vocab_block_size=config.vocab_block_size)
+        else:
+            logp, entropy = sequence_logprobs(model, *named, vocab_block_size=config.vocab_block_size, key=key)
         return logp.array, entropy.array
 
     def loss_fn(model, tokens, inputs, key):
-        logp, entropy = logprobs(cast_floating(model, compute_dtype), tokens, key)
-        return policy_loss(logp, entropy, inputs, config.loss)
+        logp, entropy = logprobs(cast_floating(model, compute_dtype), tokens, key, exact)
+        loss, metrics = policy_loss(logp, entropy, inputs, config.loss)
+        return loss, (metrics, jax.lax.stop_gradient(logp))
 
     def accumulate(carry, xs):
         grads_sum, loss_sum, metrics_sum = carry
@@ -83,17 +91,17 @@ def loss_and_gradients(
         if config.loss.beta > 0 and mb_inputs.reference_logprobs is None:
             ref_logp, _ = logprobs(reference, mb_tokens, None)
             mb_inputs = dataclasses.replace(mb_inputs, reference_logprobs=jax.lax.stop_gradient(ref_logp))
-        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, mb_tokens, mb_inputs, mb_key)
+        (loss, (metrics, logp)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, mb_tokens, mb_inputs, mb_key)
         add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-        return (add(grads_sum, grads), loss_sum + loss, add(metrics_sum, metrics)), None
+        return (add(grads_sum, grads), loss_sum + loss, add(metrics_sum, metrics)), logp
 
     zero_grads = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in LOSS_METRICS}
     init = (zero_grads, jnp.zeros((), jnp.float32), zero_metrics)
-    (grads, loss, metrics), _ = jax.lax.scan(accumulate, init, (microbatches, keys))
+    (grads, loss, metrics), logp = jax.lax.scan(accumulate, init, (microbatches, keys))
     metrics = {
         **metrics,
         "num_tokens": jnp.sum(segment_ids != PADDING_SEGMENT_ID),
         "num_loss_tokens": num_loss_tokens,
     }
-    return loss, grads, metrics
+    return loss, grads, metrics, logp.reshape(segment_ids.shape)

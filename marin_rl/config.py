@@ -166,6 +166,10 @@ class TrainConfig:
     docs/reliability.md). Requests are always seeded from (seed, env, the problem's position in the
     env's stream). Holds on one kind of device while no remote server that takes part fails over to
     another kind."""
+    exact_numerics: bool | None = None
+    """The embedded engines sample and the learner scores with the exact passes: a sequence's log-probs
+    are the same bits whatever is batched with it, and the learner's equal the engine's at the same
+    weights (mismatch 0, docs/algorithms.md). Slower. None: on when `deterministic` is."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Optional Weights & Biases logging."""
 
@@ -212,6 +216,8 @@ class TrainConfig:
                 raise ValueError("placement.server_devices: with runtime ray the servers are ray.num_servers actors; leave it unset")
             if self.deterministic:
                 raise ValueError("deterministic: true needs runtime local (Ray's actors sample concurrently)")
+            if self.exact_numerics:
+                raise ValueError("exact_numerics: true needs runtime local (its engines are the embedded ones)")
         elif not self.placement.engines and not self.broadcaster.remote_servers:
             raise ValueError("placement.server_devices is [] and broadcaster.remote_servers is empty: no server to sample from")
 
@@ -219,6 +225,11 @@ class TrainConfig:
     def embedded_devices(self) -> list[int]:
         """Device index of each embedded engine (none in the Ray runtime, whose servers are actors)."""
         return [] if self.runtime == "ray" else self.placement.engines
+    @property
+    def exact(self) -> bool:
+        """Whether the run uses the exact passes (`exact_numerics`, by default `deterministic`)."""
+        return self.deterministic if self.exact_numerics is None else self.exact_numerics
+
     @property
     def fractions(self) -> dict[str, float]:
         return {e.name: e.fraction for e in self.envs}

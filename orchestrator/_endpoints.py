@@ -3,8 +3,8 @@
 - `GatedSampler`: a remote server is sampled from only while it serves this run's weights (its
   transport confirmed them), and an answer reporting a version this run never pushed there (the
   server restarted from its own checkpoint) is refused and reported.
-- `SeededSampler`: every request carries a seed derived from the group's seed and the prompt, so a
-  deterministic run's samples depend on (run seed, step, group) only.
+- `SeededSampler`: every request carries a seed derived from the group's seed, the rollout's index and
+  the turn, so a deterministic run's samples depend on the run's config alone.
 - `RetryingSampler`: a request that fails transiently is sent again (evaluation).
 - `LeastLoadedSampler`: each request goes to the ready server with the fewest sequences in flight.
 """
@@ -85,19 +85,27 @@ def derive_seed(*parts: int | str | Sequence[int]) -> int:
 
 
 class SeededSampler(Sampler):
-    """Sends every request with a seed derived from `seed` and the prompt's token ids.
+    """Sends its k-th request with the seed `derive_seed(seed, k)`; `fork(*key)` is a `SeededSampler` of
+    its own, seeded from (`seed`, key).
 
-    Deriving from the prompt rather than counting calls keeps the seeds independent of the order in
-    which a group's conversations reach their next turn; conversations that coincide so far continue
-    alike.
+    The runner forks one per rollout for the turns after the first, and one per problem to evaluate,
+    so a request's seed is a function of (run seed, env, the problem's draw, the rollout's index in its
+    group, the turn): of the run's config alone, whatever order conversations reach their next turn in,
+    and never of a prompt's content. Conversations of one group that coincide so far (every one of them,
+    once the first turn is learned) still sample apart.
     """
 
     def __init__(self, inner: Sampler, seed: int):
         self.inner = inner
         self.seed = seed
+        self._requests = 0
 
     async def sample(self, prompt_ids: Sequence[int], n: int, params: SamplingParams) -> list[Completion]:
-        return await self.inner.sample(prompt_ids, n, replace(params, seed=derive_seed(self.seed, prompt_ids)))
+        request, self._requests = self._requests, self._requests + 1
+        return await self.inner.sample(prompt_ids, n, replace(params, seed=derive_seed(self.seed, request)))
+
+    def fork(self, *key: int | str) -> SeededSampler:
+        return SeededSampler(self.inner, derive_seed(self.seed, *key))
 
 
 class RetryingSampler(Sampler):

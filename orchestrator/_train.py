@@ -11,6 +11,7 @@ actors (`marin_rl.distributed`), the rest stays here. Read top to bottom: set up
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import shutil
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import PermanentError
+from marin_rl.errors import ConfigError, PermanentError
 from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
@@ -86,13 +87,22 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     from marin_rl.engine import DeviceLock
     from marin_rl.learner import Learner
     from marin_rl.orchestrator._inference_server import PolicyServer
-    from marin_rl.replay import BatchCancelled, Batcher, ReplayBuffer
+    from marin_rl.replay import DEFAULT_MISMATCH_CAP, BatchCancelled, Batcher, ReplayBuffer, mismatch_metrics
     from marin_rl.rl_example import RlExample
 
     # --- set up
     tokenizer = checked.tokenizer
     placement = Placement.of(config)
-    learner = Learner(config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed), mesh=placement.learner_mesh)
+    server_config = embedded_server_config(config)
+    learner = Learner(
+        config.learner,
+        config.model,
+        run_dir,
+        tokenizer,
+        key=jax.random.key(config.seed),
+        mesh=placement.learner_mesh,
+        exact=server_config.exact_layout,
+    )
     run_state = learner.restore_latest() if resume else {}
     if resume:
         if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
@@ -113,7 +123,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     device_lock = DeviceLock()
     servers = [
         PolicyServer(
-            config.server,
+            server_config,
             learner.model,
             tokenizer,
             policy_version=learner.policy_version,
@@ -179,6 +189,9 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         workers = runtime.env_workers(buffers, endpoints, positions=run_state.get("problem_positions"), on_failure=fail)
     metrics_log = MetricsLog(run_dir, config.wandb, config_dict={"run_dir": str(run_dir)})
 
+    policy_envs = [e.name for e in config.envs if e.algorithm.completion_source == "policy"]
+    mismatch_cap = config.learner.loss.tis_cap or DEFAULT_MISMATCH_CAP
+
     # A deterministic run's checkpoint holds the positions its next step's groups start from (a fill
     # interrupted by a failure must not move them); a free-running run's, the live ones.
     drawn = workers.positions()
@@ -238,6 +251,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
 
                 # --- log
                 metrics = {f"learner/{k}": v for k, v in learner_metrics.items()}
+                metrics.update(mismatch_metrics(batch, learner.last_logprobs, policy_envs, mismatch_cap))
                 metrics.update(batch.metrics)
                 metrics.update(broadcast_metrics)
                 for buffer in buffers.values():
@@ -307,6 +321,23 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
         raise failures[0]
     learner.export_hf()
     return TrainResult(run_dir, learner.policy_version, stopped_early)
+
+
+def embedded_server_config(config: TrainConfig):
+    """The embedded engines' settings: with exact numerics, the exact passes in the learner's compute dtype
+    (the bits of both are equal only then)."""
+    if not config.exact:
+        return config.server
+    from marin_rl.learner import compute_dtype
+
+    dtype = str(compute_dtype(config.model))
+    if config.server.compute_dtype not in (None, dtype):
+        raise ConfigError(
+            f"exact numerics: server.compute_dtype is {config.server.compute_dtype!r} but the learner computes in "
+            f"{dtype} (model.compute_dtype); the exact passes need one dtype: set server.compute_dtype to {dtype!r} "
+            "or leave it unset"
+        )
+    return dataclasses.replace(config.server, exact_numerics=True, compute_dtype=dtype)
 
 
 def _save_or_log(save, ended_by: BaseException | None) -> None:

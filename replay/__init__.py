@@ -14,9 +14,11 @@ from marin_rl.replay._algorithms import (
 )
 from marin_rl.replay._batcher import Batch, BatchCancelled, Batcher, BatcherConfig, build_packed_arrays
 from marin_rl.replay._buffer import FlatRollout, ReplayBuffer, ReplayBufferConfig, ScoredGroup, truncate_rollout
+from marin_rl.replay._mismatch import DEFAULT_MISMATCH_CAP, mismatch_metrics
 from marin_rl.replay._packing import BatchPlan, GroupSpec, RowPacker, effective_shares, plan_batch
 
 __all__ = [
+    "DEFAULT_MISMATCH_CAP",
     "AlgorithmConfig",
     "Batch",
     "BatchCancelled",
@@ -41,6 +43,7 @@ __all__ = [
     "dr_grpo_advantages",
     "effective_shares",
     "grpo_advantages",
+    "mismatch_metrics",
     "plan_batch",
     "rloo_advantages",
     "truncate_rollout",

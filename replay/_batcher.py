@@ -75,6 +75,8 @@ class Batch:
     metrics: dict[str, float]
     policy_version: int
     """The learner version this batch was built for."""
+    plan: BatchPlan
+    """Where each group's rollouts sit: `plan.placements[env][group_id]` is (row, offset) per member."""
 
     def to_example(self):
         """The batch as an `RlExample` of NamedArrays (imports JAX)."""
@@ -146,7 +148,7 @@ class Batcher:
                 groups.extend(self.buffers[env].take(sizes))
         packed = build_packed_arrays(groups, plan, cfg.num_rows, cfg.max_seq_len, cfg.pad_token_id)
         metrics = self._metrics(groups, plan, short, wait_s, policy_version)
-        return Batch(packed, groups, metrics, policy_version)
+        return Batch(packed, groups, metrics, policy_version, plan)
 
     def short_envs(self) -> list[str]:
         """The envs whose buffers cannot fill their share of a batch now."""

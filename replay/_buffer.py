@@ -55,10 +55,15 @@ class FlatRollout:
     behaviour_logprobs: np.ndarray  # float32, sampling logprobs on sampled tokens, 0 elsewhere
     teacher_logprobs: np.ndarray | None  # float32, a teacher's logprobs on sampled tokens (opd), else None
     policy_version: int
+    token_versions: np.ndarray  # int64, the policy version that sampled each token, -1 on tokens not sampled
 
     @staticmethod
     def of(rollout: Rollout) -> FlatRollout:
         sampled = rollout.sampled_mask()
+        versions = [
+            np.full(len(t.token_ids), t.inference_metadata.policy_version if t.is_sampled and t.inference_metadata else -1)
+            for t in rollout.turns
+        ]
         return FlatRollout(
             rollout,
             rollout.token_ids(),
@@ -67,6 +72,7 @@ class FlatRollout:
             rollout.behaviour_logprobs(),
             rollout.teacher_logprobs(),
             rollout.policy_version,
+            np.concatenate(versions).astype(np.int64),
         )
 
     @property

@@ -60,7 +60,7 @@ def test_mixed_batch_equals_the_sum_of_each_envs_part():
 
     def run(example, aggregation):
         config = LearnerConfig(loss=LossConfig(aggregation=aggregation))
-        loss, grads, _ = step(model, example, config=config, compute_dtype=jnp.float32)
+        loss, grads, _, _ = step(model, example, config=config, compute_dtype=jnp.float32)
         return float(loss), grads
 
     mixed_loss, mixed_grads = run(mixed, TokenMean())

@@ -56,8 +56,9 @@ def test_gradient_accumulation_equals_single_batch_gradient(tiny_model_config, p
             compute_dtype=jnp.float32,
         )
 
-    whole_loss, whole_grads, whole_metrics = run(None)
-    loss, grads, metrics = run(1)  # four microbatches of one row
+    whole_loss, whole_grads, whole_metrics, whole_logp = run(None)
+    loss, grads, metrics, logp = run(1)  # four microbatches of one row
+    np.testing.assert_allclose(logp, whole_logp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, whole_loss, rtol=1e-5)
     for name in whole_metrics:
         np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=1e-5, atol=1e-7, err_msg=name)

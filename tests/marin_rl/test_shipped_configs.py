@@ -12,10 +12,11 @@ from marin_rl.envs import ScriptedSampler, sample_group
 from marin_rl.orchestrator._preflight import check_run
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml"))
-CORRECT = {  # env type -> a correct completion of a problem
-    "toy_addition": "{answer}",
-    "reasoning_gym": "<answer>{answer}</answer>",
-    "calculator": "<answer>{answer}</answer>",
+CORRECT = {  # env type -> correct completions of a problem, turn by turn
+    "toy_addition": ["{answer}"],
+    "toy_next_letter": ["{answer[0]}", "{answer[1]}"],
+    "reasoning_gym": ["<answer>{answer}</answer>"],
+    "calculator": ["<answer>{answer}</answer>"],
 }
 
 
@@ -28,8 +29,8 @@ def test_a_correct_answer_fits_and_scores_1(path, tmp_path):
         assert env_config.type in CORRECT, f"add a correct answer for env type {env_config.type!r} to this test"
         env = checked.envs[env_config.name]
         for problem in itertools.islice(iter(env.problems()), 8):
-            answer = CORRECT[env_config.type].format(answer=problem.answer)
-            sampler = ScriptedSampler(env.tokenizer, [answer])
+            answers = [turn.format(answer=problem.answer) for turn in CORRECT[env_config.type]]
+            sampler = ScriptedSampler(env.tokenizer, answers)
             [rollout] = asyncio.run(
                 sample_group(
                     env,
@@ -42,6 +43,8 @@ def test_a_correct_answer_fits_and_scores_1(path, tmp_path):
                     max_total_tokens=config.batcher.max_seq_len,
                 )
             )
-            where = f"{path.name}: env {env_config.name}, problem {problem.id}, answer {answer!r}"
-            assert rollout.turns[-1].content.startswith(answer), f"{where}: cut at max_tokens"
+            where = f"{path.name}: env {env_config.name}, problem {problem.id}, answers {answers!r}"
+            sampled = [turn.content for turn in rollout.turns if turn.is_sampled]
+            assert len(sampled) == len(answers), f"{where}: {len(sampled)} turns"
+            assert all(text.startswith(answer) for text, answer in zip(sampled, answers)), f"{where}: cut at max_tokens"
             assert rollout.reward == 1.0, f"{where}: scored {rollout.rewards}"

@@ -82,11 +82,20 @@ def test_a_remote_server_is_sampled_only_with_this_runs_weights():
     assert restarted.stale == [0, 999]
 
 
-def test_seeds_depend_on_the_group_seed_and_the_prompt_only():
-    inner = Versions(0)
-    sampler = SeededSampler(inner, derive_seed(0, "math", 3, 7))
-    for prompt in ([1, 2], [1, 2], [1, 3]):
-        asyncio.run(sampler.sample(prompt, 1, SamplingParams()))
-    a, b, c = (p.seed for p in inner.params)
-    assert a == b != c and 0 <= a < 2**63
+def test_seeds_depend_on_the_group_the_rollout_and_the_turn_never_on_the_prompt():
+    def seeds(first_prompt, order):
+        """A group's first request, then each rollout in `order` asks for its next turn with one prompt."""
+        inner = Versions(0)
+        group = SeededSampler(inner, derive_seed(0, "math", 3, 7))
+        asyncio.run(group.sample(first_prompt, 4, SamplingParams()))
+        rollouts = {i: group.fork("rollout", i) for i in sorted(set(order))}
+        for i in order:
+            asyncio.run(rollouts[i].sample([1, 2, 3], 1, SamplingParams()))
+        return [p.seed for p in inner.params]
+
+    first, r0_turn2, r1_turn2, r0_turn3 = seeds([1, 2], [0, 1, 0])
+    # Coinciding conversations (one prompt) of two rollouts, and two turns of one rollout: all apart.
+    assert len({first, r0_turn2, r1_turn2, r0_turn3}) == 4 and all(0 <= s < 2**63 for s in (first, r0_turn2, r0_turn3))
+    # Reproducible whatever order the rollouts reach their turns in, and whatever the prompts say.
+    assert seeds([9], [1, 0, 0]) == [first, r1_turn2, r0_turn2, r0_turn3]
     assert derive_seed(0, "math", 3, 7) != derive_seed(0, "math", 3, 8) != derive_seed(0, "math", 4, 7)

@@ -47,6 +47,6 @@ def test_opd_with_a_teacher_equal_to_the_student_gives_zero_kl_and_zero_gradient
     assert packed.rl_weights.sum() > 0
     np.testing.assert_allclose(packed.advantages, 0.0, atol=1e-4)
 
-    loss, grads, _ = eqx.filter_jit(loss_and_gradients)(model, batch.to_example(), config=LearnerConfig(), compute_dtype=jnp.float32)
+    loss, grads, _, _ = eqx.filter_jit(loss_and_gradients)(model, batch.to_example(), config=LearnerConfig(), compute_dtype=jnp.float32)
     grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
     assert abs(float(loss)) < 1e-4 and grad_norm < 1e-3

@@ -30,10 +30,19 @@ MAX_STEPS = 24
 FLUSH_WINDOW = 64
 KILL_WITHIN_STEPS = 5
 """Each kill comes at most this many steps past the checkpoint it resumed from (or the start)."""
-ARGS = [
-    "configs/quickstart.yaml", f"--max_steps={MAX_STEPS}", "--batcher.total_token_budget=640", "--server.max_seqs=16",
-    "--checkpoint_every=3", "--eval_every=6", "--deterministic=true", f"--envs.addition.buffer.flush_every_rollouts={FLUSH_WINDOW}",
-]  # fmt: skip
+RUNS = {  # config -> its env: the quickstart, and a two-turn task
+    "configs/quickstart.yaml": "addition",
+    "configs/multiturn.yaml": "letters",
+}
+
+
+def args_of(config: str) -> list[str]:
+    return [
+        config, f"--max_steps={MAX_STEPS}", "--batcher.total_token_budget=640", "--server.max_seqs=16",
+        "--checkpoint_every=3", "--eval_every=6", "--deterministic=true", f"--envs.{RUNS[config]}.buffer.flush_every_rollouts={FLUSH_WINDOW}",
+    ]  # fmt: skip
+
+
 TIMING = ("time", "seconds", "_s", "per_s")
 ENGINE = "server/"
 """The engine's own counters (device calls, queue, busy slots) depend on when requests arrive."""
@@ -48,9 +57,9 @@ def reproducible(record: dict) -> dict:
     }
 
 
-def per_step(record: dict) -> dict:
+def per_step(record: dict, env: str) -> dict:
     """The reproducible metrics of the step alone (not the counters a process accumulates since it started)."""
-    prefixes = ("learner/", "batch/", "batches/", "eval/", "broadcast/version", "replays/addition/new_", "replays/addition/reward")
+    prefixes = ("learner/", "batch/", "batches/", "eval/", "mismatch/", "broadcast/version", f"replays/{env}/new_", f"replays/{env}/reward")
     return {k: v for k, v in reproducible(record).items() if k.startswith(prefixes) or k == "step"}
 
 
@@ -64,18 +73,18 @@ def lines(path: Path) -> list[dict]:
     return records
 
 
-def rollouts_on_disk(run_dir: Path) -> list:
+def rollouts_on_disk(run_dir: Path, env: str) -> list:
     found = []
-    for root in (run_dir / "rollouts" / "addition", run_dir / ABANDONED_ROLLOUTS_DIR / "addition"):
+    for root in (run_dir / "rollouts" / env, run_dir / ABANDONED_ROLLOUTS_DIR / env):
         for path in list_segments(root) if root.is_dir() else []:
             found.extend(table_to_rollouts(read_segment(path)))  # raises if a segment is unreadable
     return found
 
 
-def accepted_and_stored(run_dir: Path) -> tuple[float, int]:
+def accepted_and_stored(run_dir: Path, env: str) -> tuple[float, int]:
     """Rollouts the logged steps accepted (metrics lines, set aside or not), rollouts on disk (anywhere)."""
     records = lines(run_dir / "metrics.jsonl") + lines(run_dir / ABANDONED_METRICS_FILE)
-    return sum(r.get("replays/addition/new_rollouts", 0) for r in records), len(rollouts_on_disk(run_dir))
+    return sum(r.get(f"replays/{env}/new_rollouts", 0) for r in records), len(rollouts_on_disk(run_dir, env))
 
 
 def fingerprint(rollouts) -> Counter:
@@ -86,28 +95,33 @@ def same_file(a: Path, b: Path) -> bool:
     return filecmp.cmp(a, b, shallow=False)
 
 
-def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path):
+@pytest.mark.parametrize("config", list(RUNS))
+def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path, config):
+    env, args = RUNS[config], args_of(config)
     # --- two uninterrupted runs with the same seed (in this process)
     references = []
     for name in ("a", "b"):
-        train(load_config(ARGS[0], [*ARGS[1:], f"--run_dir={tmp_path / name}"]))
+        train(load_config(args[0], [*args[1:], f"--run_dir={tmp_path / name}"]))
         references.append(tmp_path / name)
     a, b = references
     assert [reproducible(r) for r in lines(a / "metrics.jsonl")] == [reproducible(r) for r in lines(b / "metrics.jsonl")]
     final = f"checkpoints/step-{MAX_STEPS}"
     for name in ("model.eqx", "opt_state.eqx"):
         assert same_file(a / final / name, b / final / name)
+    # Exact numerics (on with deterministic): the learner's log-probs are the server's, bit for bit.
+    steps = [r for r in lines(a / "metrics.jsonl") if r["step"] > 0]
+    assert steps and all(r[f"mismatch/{env}/max_abs_diff"] == 0.0 and r[f"mismatch/{env}/tokens"] > 0 for r in steps)
 
     # --- the same run in processes killed with SIGKILL at random moments, resumed each time
     seed = int(os.environ.get("RELIABILITY_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
     run_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "marin_rl.cli", "train", *ARGS, f"--run_dir={run_dir}"]
+    command = [sys.executable, "-m", "marin_rl.cli", "train", *args, f"--run_dir={run_dir}"]
     kills = []
     process = None
     try:
         for attempt in range(4):
-            before = accepted_and_stored(run_dir)
+            before = accepted_and_stored(run_dir, env)
             resumed_at = max([int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")], default=0)
             with open(tmp_path / f"attempt-{attempt}.log", "w") as log:
                 # Killed before it wrote anything but its config (start-up), there is nothing to resume: a user starts again.
@@ -131,7 +145,7 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
             assert process.poll() is None, "finished before it could be killed"
             process.send_signal(signal.SIGKILL)
             process.wait()
-            after = accepted_and_stored(run_dir)
+            after = accepted_and_stored(run_dir, env)
             lost = (after[0] - before[0]) - (after[1] - before[1])
             kills.append({"resumed_at": resumed_at, "lost": lost})
             assert lost <= FLUSH_WINDOW, f"kill {attempt} (seed {seed}) lost {lost} rollouts"
@@ -146,7 +160,7 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
         assert same_file(run_dir / final / name, a / final / name), f"seed {seed}, kills {kills}"
     killed_lines = lines(run_dir / "metrics.jsonl")
     assert [r["step"] for r in killed_lines] == list(range(MAX_STEPS + 1))  # 0: the baseline evaluation
-    assert [per_step(r) for r in killed_lines] == [per_step(r) for r in lines(a / "metrics.jsonl")]
+    assert [per_step(r, env) for r in killed_lines] == [per_step(r, env) for r in lines(a / "metrics.jsonl")]
 
     # Rollouts: every segment readable (rollouts_on_disk reads them all); the kept ones are the
     # uninterrupted run's (one population per version), short of at most a flush window per kill.
