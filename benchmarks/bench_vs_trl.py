@@ -3,7 +3,10 @@
 The task is the quickstart's (`3+1=` -> `4`, reward 1 when the first character of the completion is
 the sum mod 10, the character tokenizer and its chat template), a randomly initialised Llama of the
 chosen shape, groups of `--group-size` completions of `--prompts` prompts per step, `--max-tokens`
-new tokens, temperature 1, the same learning rate, clip range and gradient clipping, no KL term.
+new tokens, temperature 1, the same learning rate, clip range and gradient clipping, no KL term. Both
+sides start from the same weights: transformers initialises the model and saves it as a Hugging Face
+checkpoint that each side loads (`--init own` lets each side initialise its own, Levanter's against
+transformers').
 TRL generates with transformers `generate()` (vLLM cannot be installed on the GPU machine). Each side
 prints seconds per step (median over steady steps), generated and trained tokens/s, peak device
 memory, its reward curve, and the steps, training seconds (the steps' own times) and seconds from
@@ -70,7 +73,7 @@ def summary(
 # ------------------------------------------------------------------------------------------ marin-rl
 
 
-def run_marin(args) -> dict:
+def run_marin(args, checkpoint: str | None) -> dict:
     import jax
 
     from marin_rl.config import load_config
@@ -102,6 +105,8 @@ def run_marin(args) -> dict:
         f"--envs.addition.group_size={args.group_size}",
         f"--envs.addition.sampling.max_tokens={args.max_tokens}",
         f"--model.gradient_checkpointing={'layer' if args.gradient_checkpointing == 'on' else 'none'}",
+        *([f"--model.hf_checkpoint={checkpoint}"] if checkpoint else []),
+        *args.marin_override,
     ]
     if jax.default_backend() == "gpu":
         # Twice as many groups in flight as a step takes: the next step's groups generate while this
@@ -132,7 +137,38 @@ def run_marin(args) -> dict:
 # ----------------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(args) -> dict:
+def trl_tokenizer(args):
+    import transformers
+
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # no token_type_ids: Llama takes none
+    return tokenizer
+
+
+def fresh_hf_model(args):
+    """transformers' randomly initialised Llama of `--size` (seeded by `--seed`)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(args.seed)
+    tokenizer = trl_tokenizer(args)
+    hidden, mlp, layers, heads, kv = SIZES[args.size]
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=len(tokenizer), max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config), tokenizer
+
+
+def save_initial_weights(args, path: str) -> None:
+    """The weights both sides start from, as a Hugging Face checkpoint (float32, with the tokenizer)."""
+    model, tokenizer = fresh_hf_model(args)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def run_trl(args, checkpoint: str | None) -> dict:
     import random
 
     import torch
@@ -140,17 +176,13 @@ def run_trl(args) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.manual_seed(args.seed)
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # no token_type_ids: Llama takes none
-    hidden, mlp, layers, heads, kv = SIZES[args.size]
-    config = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=len(tokenizer), max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
     gpu = torch.cuda.is_available()
-    model = transformers.LlamaForCausalLM(config)
+    if checkpoint:
+        torch.manual_seed(args.seed)
+        tokenizer = trl_tokenizer(args)
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
+    else:
+        model, tokenizer = fresh_hf_model(args)
     # The quickstart's problems, drawn the same way (a + 1 with a uniform in 0..9), as chat messages.
     rng = random.Random(args.seed)
     problems = [rng.randrange(10) for _ in range(args.prompts * args.steps)]
@@ -217,6 +249,18 @@ def run_trl(args) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def trl_side(args, side: str) -> str:
+    """Run `--side={side}` with the TRL interpreter in a process of its own; returns what it printed."""
+    passed = [a for a in sys.argv[1:] if not a.startswith(("--side", "--checkpoint"))]
+    command = [args.trl_python, __file__, f"--side={side}", *passed, *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])]
+    env = {**os.environ, **({"PYTHONPATH": os.environ["TRL_PYTHONPATH"]} if "TRL_PYTHONPATH" in os.environ else {})}
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(out.stdout[-3000:], out.stderr[-5000:])
+        raise SystemExit(f"the TRL side's {side} failed (exit {out.returncode})")
+    return out.stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -233,31 +277,37 @@ def main() -> None:
         default="on",
         help="both sides: on recomputes each layer's inside in the backward pass (both defaults), off keeps it",
     )
-    parser.add_argument("--side", choices=["both", "marin", "trl"], default="both")
+    parser.add_argument("--init", choices=["same", "own"], default="same", help="same: both sides load one HF checkpoint; own: each initialises its own")
+    parser.add_argument("--marin-override", action="append", default=[], help="a config override for our side (--marin-override=--envs.addition.buffer.max_age=0)")
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)  # set for the sides' processes
+    parser.add_argument("--side", choices=["both", "marin", "trl", "init"], default="both")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with torch, transformers and trl")
     parser.add_argument("--tokenizer", default=str(Path(__file__).parent.parent / "marin_rl" / "assets" / "char_tokenizer"))
     parser.add_argument("--json", default=None, help="also write both results here")
     args = parser.parse_args()
 
     if args.side == "trl":
-        print("RESULT " + json.dumps(run_trl(args)), flush=True)
+        print("RESULT " + json.dumps(run_trl(args, args.checkpoint)), flush=True)
         return
+    if args.side == "init":
+        save_initial_weights(args, args.checkpoint)
+        return
+    if args.init == "same" and args.checkpoint is None:  # transformers' init, made with the TRL side's interpreter
+        args.checkpoint = str(Path(tempfile.mkdtemp(prefix="vs-trl-init-")) / "model")
+        trl_side(args, "init")
     results = []
     if args.side in ("both", "marin"):
-        results.append(run_marin(args))
+        results.append(run_marin(args, args.checkpoint))
     if args.side == "both":  # its own process: its own threads, and on a GPU its own CUDA context
-        command = [args.trl_python, __file__, "--side=trl", *[a for a in sys.argv[1:] if not a.startswith("--side")]]
-        env = {**os.environ, **({"PYTHONPATH": os.environ["TRL_PYTHONPATH"]} if "TRL_PYTHONPATH" in os.environ else {})}
-        out = subprocess.run(command, capture_output=True, text=True, env=env)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if out.returncode != 0 or not lines:
-            print(out.stdout[-3000:], out.stderr[-5000:])
-            raise SystemExit(f"the TRL side failed (exit {out.returncode})")
+        lines = [line for line in trl_side(args, "trl").splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise SystemExit("the TRL side printed no result")
         results.append(json.loads(lines[-1][len("RESULT ") :]))
 
     print(
         f"\n{args.size} model, {args.prompts} prompts x {args.group_size} completions of {args.max_tokens} tokens, lr {args.lr}, "
-        f"gradient checkpointing {args.gradient_checkpointing}"
+        f"gradient checkpointing {args.gradient_checkpointing}, initial weights: {args.init}"
+        + (f", ours with {' '.join(args.marin_override)}" if args.marin_override else "")
     )
     for r in results:
         reached = (

@@ -66,11 +66,17 @@ def _queries_keys_values(layer, x, positions):
 def _window_attention(q, k, v, lengths, scale):
     """Each query `[t, kv_heads, group, head]` against the `lengths[i]` first keys of its window
     (`k`, `v` `[kv_heads, t, context, head]`); lanes past the length weigh exactly 0."""
+    group = q.shape[2]
+    # One query head per KV head makes each product a matrix-vector one, which XLA:GPU turns into
+    # reductions fused by context (0.5 ulp-scale differences between two programs, H100): a second,
+    # zero query row keeps them matrix products of one shape.
+    if group == 1:
+        q = jnp.concatenate([q, jnp.zeros_like(q)], axis=2)
     visible = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [t, context]
     v = jnp.where(visible[None, :, :, None], v, 0).astype(jnp.float32)
     logits = jnp.einsum("tkgd,ktld->tkgl", q, k, preferred_element_type=jnp.float32) * scale
     weights = jax.nn.softmax(jnp.where(visible[:, None, None, :], logits, _MASK_VALUE), axis=-1)
-    return jnp.einsum("tkgl,ktld->tkgd", weights, v).astype(q.dtype)
+    return jnp.einsum("tkgl,ktld->tkgd", weights, v)[:, :, :group].astype(q.dtype)
 
 
 def _finish_layer(layer, x, attention):

@@ -128,6 +128,9 @@ class LossConfig:
     behaviour log-probs from the server. A number C: the ratio is taken against the learner's own log-probs
     under the pre-update weights (stop-gradient; 1 in value since each batch gets one optimizer step), and
     the term is multiplied by the stop-gradient weight min(exp(logp_learner - logp_behaviour), C)."""
+    mis_cap: float | None = None
+    """Masked importance sampling (IcePop): a token whose ratio exp(logp_learner - logp_behaviour) lies
+    outside [1/C, C] gets no policy-gradient term. None: no mask. Combines with `tis_cap`."""
     beta: float = 0.0
     """Coefficient of the KL-to-reference term; 0 turns it (and the reference forward pass) off."""
     kl_estimator: str = "k3"
@@ -143,6 +146,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"LossConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.mis_cap is not None and self.mis_cap <= 1:
+            raise ValueError(f"LossConfig.mis_cap must be > 1 or None, got {self.mis_cap}")
         if self.beta < 0:
             raise ValueError(f"LossConfig.beta must be >= 0, got {self.beta}")
 

@@ -15,6 +15,8 @@ rho_t = exp(logp_t - sg(logp_t)), the ratio against the learner's own pre-update
 batch gets one optimizer step, so the clip never binds), and w_t = sg(min(exp(logp_t - b_t), C)) corrects for
 the gap between the learner and the server (staleness and numerics): truncated importance sampling as in
 Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training". sg = stop-gradient.
+With `mis_cap` C', w_t is also 0 where exp(logp_t - b_t) lies outside [1/C', C'] (masked importance
+sampling, IcePop: such tokens are dropped rather than down-weighted).
 
 The aggregation weight a_t comes from the whole batch (see `aggregation_weights`), so summing the loss of
 microbatches gives exactly the loss, and the gradient, of the whole batch.
@@ -69,7 +71,7 @@ def aggregation_weights(
             raise ValueError(f"unknown aggregation {type(aggregation).__name__}")
 
 
-LOSS_METRICS = ("pg_loss", "ce_loss", "kl_loss", "kl_ref", "clip_frac", "approx_kl", "entropy", "tis_weight")
+LOSS_METRICS = ("pg_loss", "ce_loss", "kl_loss", "kl_ref", "clip_frac", "approx_kl", "entropy", "tis_weight", "mis_masked")
 
 
 class LossInputs(eqx.Module):
@@ -97,8 +99,8 @@ def policy_loss(
     The metrics (`LOSS_METRICS`) are sums of batch-normalised terms, so they add up over microbatches:
     `pg_loss`, `ce_loss`, `kl_loss` (the three parts of the loss), and token means over loss tokens of
     `kl_ref` (the KL estimate to the reference; 0 when beta = 0), `clip_frac` (the clipped branch is the
-    minimum), `approx_kl` (k3 estimate of KL(behaviour || learner)), `entropy` and `tis_weight` (the
-    truncated IS weight; 1 without TIS).
+    minimum), `approx_kl` (k3 estimate of KL(behaviour || learner)), `entropy`, `tis_weight` (the IS
+    weight, masked tokens counted as 0; 1 without TIS or MIS) and `mis_masked` (the share MIS masks).
     """
     mask, advantages = inputs.mask, inputs.advantages
     # Off the mask the inputs are arbitrary (0 log-probs); zero the exponent there so exp stays finite and
@@ -110,6 +112,10 @@ def policy_loss(
     else:
         log_ratio = logp - jax.lax.stop_gradient(logp)
         is_weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(behaviour_log_ratio), config.tis_cap))
+    masked = jnp.zeros_like(mask)
+    if config.mis_cap is not None:
+        masked = jax.lax.stop_gradient(jnp.abs(behaviour_log_ratio) > jnp.log(config.mis_cap))
+        is_weight = jnp.where(masked, 0.0, is_weight)
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high) * advantages
@@ -135,6 +141,7 @@ def policy_loss(
     metrics["approx_kl"] = jnp.sum(w * (jnp.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio))
     metrics["entropy"] = jnp.sum(w * entropy)
     metrics["tis_weight"] = jnp.sum(w * is_weight)
+    metrics["mis_masked"] = jnp.sum(w * masked)
     return loss, jax.lax.stop_gradient(metrics)
 
 

@@ -28,6 +28,8 @@ def reference_loss(logp, packed, mask, config: LossConfig, reference_logprobs=No
             rho, weight = np.exp(lp - b), 1.0
         else:
             rho, weight = 1.0, min(np.exp(lp - b), config.tis_cap)
+        if config.mis_cap is not None and not 1 / config.mis_cap <= np.exp(lp - b) <= config.mis_cap:
+            weight = 0.0
         pg = -min(rho * a, np.clip(rho, 1 - config.eps_low, 1 + config.eps_high) * a) * weight
         loss = packed.rl_weights[row, pos] * pg + packed.ce_weights[row, pos] * -lp
         if config.beta > 0:
@@ -79,7 +81,8 @@ AGGREGATIONS = [TokenMean(), SequenceMean(), TokenSum(constant=37.0)]
 @pytest.mark.parametrize("aggregation", AGGREGATIONS, ids=lambda a: type(a).__name__)
 @pytest.mark.parametrize("tis_cap", [None, 1.1])
 @pytest.mark.parametrize("kl", [None, "k1", "k3"])
-def test_loss_matches_numpy_reference(packed_batch, aggregation, tis_cap, kl):
+@pytest.mark.parametrize("mis_cap", [None, 1.3])
+def test_loss_matches_numpy_reference(packed_batch, aggregation, tis_cap, kl, mis_cap):
     packed = packed_batch
     logp = near_behaviour_logprobs(packed, seed=2)
     reference = near_behaviour_logprobs(packed, seed=3) if kl else None
@@ -87,6 +90,7 @@ def test_loss_matches_numpy_reference(packed_batch, aggregation, tis_cap, kl):
         eps_low=0.1,
         eps_high=0.25,
         tis_cap=tis_cap,
+        mis_cap=mis_cap,
         beta=0.3 if kl else 0.0,
         kl_estimator=kl or "k3",
         aggregation=aggregation,
@@ -98,6 +102,10 @@ def test_loss_matches_numpy_reference(packed_batch, aggregation, tis_cap, kl):
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
     parts = metrics["pg_loss"] + metrics["ce_loss"] + metrics["kl_loss"]
     np.testing.assert_allclose(float(parts), float(loss), rtol=1e-5)
+    ratio = np.exp(logp - packed.policy_logprobs)[np.asarray(inputs.mask)]
+    outside = np.mean((ratio > mis_cap) | (ratio < 1 / mis_cap)) if mis_cap else 0.0
+    np.testing.assert_allclose(float(metrics["mis_masked"]), outside, rtol=1e-5)
+    assert mis_cap is None or 0 < outside < 1  # the spread puts tokens on both sides of the cap
 
 
 def test_clipping_on_both_sides_stops_the_gradient():
