@@ -56,6 +56,7 @@ def summary(
     steady = slice(min(2, len(step_seconds) - 1), None)  # the first steps compile / warm up
     median = statistics.median(step_seconds[steady])
     steps, seconds = time_to_target(rewards, step_seconds, args.target)
+    steps_to_09, _ = time_to_target(rewards, step_seconds, 0.9)
     return {
         "side": name,
         "seconds_per_step": median,
@@ -65,7 +66,9 @@ def summary(
         "steps_to_target": steps,
         "seconds_to_target": seconds,
         "seconds_from_launch_to_target": None if steps is None else step_ends[steps - 1] - LAUNCHED,
+        "steps_to_0.9": steps_to_09,
         "rewards": [round(r, 3) for r in rewards],
+        "seconds_from_launch": [round(end - LAUNCHED, 2) for end in step_ends],
         "step_seconds": [round(s, 4) for s in step_seconds],
     }
 
@@ -249,9 +252,40 @@ def run_trl(args, checkpoint: str | None) -> dict:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def plot(paths: list[str], png: str) -> None:
+    """Each result of the --json files (label: the file name and the side) against steps and against
+    seconds from launch, with the 5-step mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for path in paths:
+        for result in json.loads(Path(path).read_text()):
+            rewards = result["rewards"]
+            mean = [statistics.mean(rewards[max(0, i - WINDOW + 1) : i + 1]) for i in range(len(rewards))]
+            label = f"{Path(path).stem}: {result['side'].split(' (')[0]}"
+            by_step.plot(range(1, len(mean) + 1), mean, label=label)
+            by_time.plot(result["seconds_from_launch"], mean, label=label)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("seconds from launch")
+    for axis in (by_step, by_time):
+        axis.set_ylabel(f"mean reward over {WINDOW} steps")
+        axis.grid(alpha=0.3)
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def trl_side(args, side: str) -> str:
     """Run `--side={side}` with the TRL interpreter in a process of its own; returns what it printed."""
-    passed = [a for a in sys.argv[1:] if not a.startswith(("--side", "--checkpoint"))]
+    passed, skip = [], False
+    for arg in sys.argv[1:]:  # all but --side and --checkpoint (as --x=v or --x v)
+        if skip or arg.startswith(("--side", "--checkpoint")):
+            skip = not skip and "=" not in arg
+            continue
+        passed.append(arg)
     command = [args.trl_python, __file__, f"--side={side}", *passed, *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])]
     env = {**os.environ, **({"PYTHONPATH": os.environ["TRL_PYTHONPATH"]} if "TRL_PYTHONPATH" in os.environ else {})}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -284,8 +318,13 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with torch, transformers and trl")
     parser.add_argument("--tokenizer", default=str(Path(__file__).parent.parent / "marin_rl" / "assets" / "char_tokenizer"))
     parser.add_argument("--json", default=None, help="also write both results here")
+    parser.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="only draw the reward curves of earlier --json files into --png")
+    parser.add_argument("--png", default="vs_trl.png")
     args = parser.parse_args()
 
+    if args.plot:
+        plot(args.plot, args.png)
+        return
     if args.side == "trl":
         print("RESULT " + json.dumps(run_trl(args, args.checkpoint)), flush=True)
         return
@@ -295,6 +334,8 @@ def main() -> None:
     if args.init == "same" and args.checkpoint is None:  # transformers' init, made with the TRL side's interpreter
         args.checkpoint = str(Path(tempfile.mkdtemp(prefix="vs-trl-init-")) / "model")
         trl_side(args, "init")
+        global LAUNCHED
+        LAUNCHED = time.time()  # our side's launch: the shared weights are not its start-up
     results = []
     if args.side in ("both", "marin"):
         results.append(run_marin(args, args.checkpoint))
@@ -318,7 +359,8 @@ def main() -> None:
         peak = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] else ""
         print(
             f"{r['side']}: {r['seconds_per_step']:.3f} s/step, {r['generated_tok_s']:,.0f} generated tok/s, "
-            f"{r['trained_tok_s']:,.0f} trained tok/s{peak}; mean reward {args.target} over {WINDOW} steps: {reached}"
+            f"{r['trained_tok_s']:,.0f} trained tok/s{peak}; mean reward {args.target} over {WINDOW} steps: {reached}; "
+            f"0.9: {'step ' + str(r['steps_to_0.9']) if r['steps_to_0.9'] else 'not reached'}"
         )
         print(f"  rewards: {r['rewards']}")
     if len(results) == 2:

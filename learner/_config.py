@@ -182,6 +182,29 @@ class ConstantSchedule(LrSchedule):
         )
 
 
+@LrSchedule.register_subclass("linear")
+@dataclass(frozen=True)
+class LinearSchedule(LrSchedule):
+    """Linear decay after warmup, down to `min_lr_ratio * learning_rate` at `decay_steps`, constant after
+    (transformers' `linear`, TRL's default: `decay_steps` = the run's steps, `min_lr_ratio` 0)."""
+
+    decay_steps: int = 1000
+    """Optimizer steps from the end of warmup to the end of the decay."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak."""
+
+    def build(self, learning_rate: float, warmup_steps: int):
+        import optax
+
+        return optax.join_schedules(
+            [
+                _warmup(learning_rate, warmup_steps),
+                optax.linear_schedule(learning_rate, self.min_lr_ratio * learning_rate, self.decay_steps),
+            ],
+            [warmup_steps],
+        )
+
+
 @LrSchedule.register_subclass("cosine")
 @dataclass(frozen=True)
 class CosineSchedule(LrSchedule):

@@ -10,6 +10,7 @@ import pytest
 
 from marin_rl.learner import (
     CosineSchedule,
+    LinearSchedule,
     LearnerConfig,
     LossConfig,
     ModelConfig,
@@ -62,6 +63,12 @@ def test_warmup_then_cosine_schedule():
     )
     lrs = [float(schedule(step)) for step in (0, 1, 2, 3, 8, 13, 50)]
     np.testing.assert_allclose(lrs, [0.25, 0.5, 0.75, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
+
+
+def test_linear_schedule_decays_as_transformers_linear_does():
+    # transformers' `linear` without warmup over T steps: lr * (T - t) / T at step t (TRL's default).
+    _, schedule = build_optimizer(OptimizerConfig(learning_rate=2.0, schedule=LinearSchedule(decay_steps=4)))
+    np.testing.assert_allclose([float(schedule(t)) for t in range(6)], [2.0, 1.5, 1.0, 0.5, 0.0, 0.0], rtol=1e-6)
 
 
 class _Block(eqx.Module):
