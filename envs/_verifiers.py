@@ -46,7 +46,28 @@ _IN_PROCESS_HARNESSES = (None, "null")
 
 
 def _vf():
+    _cache_pydantic_default_factory_check()
     return import_optional("verifiers.v1", "verifiers", "verifiers")
+
+
+@functools.cache
+def _cache_pydantic_default_factory_check() -> None:
+    """pydantic 2.14 inspects a field's default factory's signature (`inspect.signature`, which parses the
+    text signature of a builtin like `list`) every time `model_construct` fills the field; verifiers'
+    message graph constructs a few models per turn: 70% of a single-turn rollout's time here. The answer
+    depends on the factory alone, so it is kept."""
+    from pydantic._internal import _fields
+
+    check = _fields.takes_validated_data_argument
+    cached = functools.cache(check)
+
+    def takes_validated_data_argument(default_factory):
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable factory
+            return check(default_factory)
+
+    _fields.takes_validated_data_argument = takes_validated_data_argument
 
 
 @register_env("verifiers")
@@ -66,6 +87,7 @@ class VerifiersEnv(Env):
         env_args: Mapping[str, Any] | None = None,
         model: str = "policy",
         tool_call_format: str = "auto",
+        direct: bool = True,
     ):
         vf = _vf()
         self._config = vf.resolve_env_config({**(env_args or {}), "id": env, "taskset": {**(taskset_args or {}), "id": taskset}})
@@ -78,6 +100,9 @@ class VerifiersEnv(Env):
         """Model name verifiers records on its traces (sampling goes through our `Sampler`)."""
         self.tool_call_format = tool_call_format
         """`auto` (from the tokenizer's special tokens), `hermes` (Qwen2.5/Qwen3) or `llama3`."""
+        self.direct = direct
+        """Sample and score single-turn tasks without verifiers' episode where they allow it
+        (`episode_needed`); False: every rollout runs as an episode."""
 
     def problems(self) -> Iterator[Problem]:
         for task in self.vf_env.taskset:
@@ -108,17 +133,32 @@ class VerifiersEnv(Env):
     def _tool_call_format(self) -> str | None:
         return resolve_tool_call_format(self.tokenizer, self.tool_call_format)
 
+    @functools.cached_property
+    def episode_needed(self) -> str | None:
+        """Why this taskset's rollouts run verifiers' episode; None: its single-turn tasks are sampled and
+        scored without one (`_verifiers_direct`)."""
+        from marin_rl.envs._verifiers_direct import episode_needed
+
+        if not self.direct:
+            return "direct: false"
+        return episode_needed(self.vf_env, type(self.vf_env.taskset).task_type(), self.vf_env.taskset)
+
     async def sample_rollouts(
         self, problem: Problem, sampler: Sampler, n: int, settings: RolloutSettings, metrics: EnvMetrics
     ) -> list[Rollout]:
         vf = _vf()
         sessions = ChatSessions(self.tokenizer, sampler, settings, self._tool_call_format, group_size=n)
         vf_env = self._vf_env(settings.verifier_timeout_s)
+        task = problem.extras["task"]
+        group_id = uuid.uuid4().hex
+        if self.episode_needed is None:
+            from marin_rl.envs._verifiers_direct import sample_and_score
+
+            traced = await sample_and_score(vf_env, task, sessions, n, settings, self.model)
+            return [self._to_rollout(problem, trace, session, settings, metrics, group_id) for trace, session in traced]
         async with self._serving[vf_env]() as endpoint, endpoint.group(sessions) as on_trace:
             ctx = vf.ModelContext(model=self.model, client=vf.EvalClientConfig(**endpoint.client_config()))
-            task = problem.extras["task"]
             episodes = await gather_all(vf_env.run_episode(task, ctx, on_trace=on_trace) for _ in range(n))
-        group_id = uuid.uuid4().hex
         rollouts = []
         for episode in episodes:
             if episode.errors:  # the env's own run() or finalize() failed
@@ -186,7 +226,7 @@ class VerifiersEnv(Env):
         return Rollout(
             environment=self.name,
             problem_id=problem.id,
-            rollout_uid=uuid.uuid4().hex,
+            rollout_uid=trace.id,  # unique (a uuid4), and names the verifiers trace
             group_id=group_id,
             turns=turns,
             rewards=rewards,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -44,6 +45,9 @@ class RequestError(ValueError):
     """A request this endpoint cannot serve (answered with HTTP 400)."""
 
 
+_session_ids = itertools.count()
+
+
 @dataclass
 class Session:
     """One verifiers rollout's conversation."""
@@ -57,6 +61,8 @@ class Session:
     malformed_tool_calls: int = 0
     sampler: Sampler | None = None
     """Samples its turns after the first: the group's sampler forked for this rollout (its own seeds)."""
+    id: str = field(default_factory=lambda: f"{next(_session_ids):x}")
+    """Unique in the process (its chat completions' ids)."""
 
 
 def _text(content: Any) -> str:
@@ -153,36 +159,65 @@ class ChatSessions:
     async def complete(self, session_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """The chat completion (an OpenAI `chat.completion` dict) for `body`'s conversation."""
         session = self.sessions.setdefault(session_id, Session())
-        messages = body.get("messages") or []
+        messages, tools = self._request(body)
+        if session.transcript is not None and session.transcript.num_assistant_turns >= self.settings.max_turns:
+            session.stop_reason = "max_turns"
+            raise RequestError(f"{ROLLOUT_ENDS}: max_turns={self.settings.max_turns} reached")
+        transcript = self._extend(session, messages, tools)
+        params = self._turn_sampling(session, transcript)
+        if session.transcript is None:
+            index, completion = await self.first_turns.sample(transcript.token_ids, params)
+            session.sampler = self.sampler.fork("rollout", index)
+        else:
+            [completion] = await session.sampler.sample(transcript.token_ids, 1, params)
+        return self._commit(session, body, messages, transcript, completion, tools)
+
+    async def complete_first_turns(self, body: Mapping[str, Any], n: int) -> list[tuple[str, dict[str, Any]]]:
+        """The first turns of `n` new sessions of `body`'s conversation, as `complete` gives each, but
+        rendered once and sampled in one request of `n`: (session id, chat completion) each."""
+        messages, tools = self._request(body)
+        first = Session()
+        transcript = self._extend(first, messages, tools)
+        params = self._turn_sampling(first, transcript)
+        completions = await self.sampler.sample(transcript.token_ids, n, params)
+        replies = []
+        for index, completion in enumerate(completions):
+            session_id = f"first-turn-{len(self.sessions)}"
+            session = self.sessions[session_id] = Session(tools=first.tools, sampler=self.sampler.fork("rollout", index))
+            replies.append((session_id, self._commit(session, body, messages, transcript.copy(), completion, tools)))
+        return replies
+
+    def _request(self, body: Mapping[str, Any]) -> tuple[list, list | None]:
+        """The request's messages and tools."""
         tools = body.get("tools") or None
         if tools and self.tool_call_format is None:
             raise RequestError(
                 "verifiers task has tools, but the tool-call format of this tokenizer is unknown; "
                 "set the env's tool_call_format ('hermes' for Qwen2.5/Qwen3, 'llama3' for Llama 3)"
             )
-        if session.transcript is not None and session.transcript.num_assistant_turns >= self.settings.max_turns:
-            session.stop_reason = "max_turns"
-            raise RequestError(f"{ROLLOUT_ENDS}: max_turns={self.settings.max_turns} reached")
-        transcript = self._extend(session, messages, tools)
-        prompt_ids = transcript.token_ids
-        params = self.settings.turn_sampling(len(prompt_ids))
+        return body.get("messages") or [], tools
+
+    def _turn_sampling(self, session: Session, transcript: Transcript) -> SamplingParams:
+        """The turn's sampling after `transcript`'s prompt; the rollout ends when no room is left."""
+        params = self.settings.turn_sampling(len(transcript.token_ids))
         if params is None:
             session.stop_reason = "max_total_tokens"
             raise RequestError(
-                f"{ROLLOUT_ENDS}: {len(prompt_ids)} prompt tokens leave no room under "
+                f"{ROLLOUT_ENDS}: {len(transcript.token_ids)} prompt tokens leave no room under "
                 f"max_total_tokens={self.settings.max_total_tokens}"
             )
-        if session.transcript is None:
-            index, completion = await self.first_turns.sample(prompt_ids, params)
-            session.sampler = self.sampler.fork("rollout", index)
-        else:
-            [completion] = await session.sampler.sample(prompt_ids, 1, params)
+        return params
+
+    def _commit(
+        self, session: Session, body: Mapping[str, Any], messages: list, transcript: Transcript, completion: Completion, tools: list | None
+    ) -> dict[str, Any]:
+        """Record the sampled turn on the session; its chat completion."""
+        usage = {"prompt_tokens": len(transcript.token_ids), "completion_tokens": len(completion.token_ids)}
         message, finish = self._reply(session, transcript, completion, tools)
         session.transcript = transcript
         session.seen = [*(_key(m) for m in messages), _key(message)]
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids)}
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": f"chatcmpl-{session.id}-{transcript.num_assistant_turns}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or "policy",

@@ -36,6 +36,18 @@ sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
 _ssl_context = functools.cache(ssl.create_default_context)
 
 
+def initial_messages(data: vf.TaskData) -> list[dict[str, Any]]:
+    """The chat request's messages for a task: its system prompt as a system message
+    (`APPENDS_SYSTEM_PROMPT`, as `Harness.resolve_prompt` gives it), then its prompt."""
+    system, prompt = data.system_prompt, data.prompt
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages.extend(message_to_wire(m) for m in prompt or [])
+    return messages
+
+
 class ChatHarness(vf.Harness[vf.HarnessConfig]):
     """Chat with the model; run each tool call it makes on the task's MCP servers; stop at a reply
     without tool calls (or one cut at `max_tokens`)."""
@@ -47,12 +59,7 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data) -> vf.ProgramResult:
-        system, prompt = self.resolve_prompt(data)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-        if isinstance(prompt, str):
-            messages.append({"role": "user", "content": prompt})
-        else:
-            messages.extend(message_to_wire(m) for m in prompt or [])
+        messages = initial_messages(data)
         async with AsyncExitStack() as stack:
             tools, servers = await self._connect_tools(stack, mcp_urls)
             http = httpx.AsyncClient(verify=_ssl_context(), timeout=None)

@@ -110,6 +110,40 @@ def test_concurrent_groups_share_verifiers_serving_and_keep_their_own_samplers(t
         assert all(r.problem_id == problems[i].id for r in group)
 
 
+# --- single-turn tasks without an episode --------------------------------------------------------
+
+
+def _comparable(rollout):
+    meta = {k: v for k, v in rollout.metadata.items() if k != "verifiers"}
+    verifiers = {k: v for k, v in rollout.metadata["verifiers"].items() if k != "trace_id"}
+    turns = [(t.role, t.content, t.token_ids.tolist(), t.logprobs.tolist() if t.logprobs is not None else None) for t in rollout.turns]
+    return turns, rollout.rewards, rollout.reward, rollout.is_truncated, meta, verifiers
+
+
+@pytest.mark.parametrize(
+    ("taskset", "args", "texts"),
+    [
+        ("marin_vf_sum", {}, ["0", "zero, I think", " 0"]),
+        ("marin_vf_addition", {}, ["1", "2", "<|end|>"]),
+        ("marin_vf_faulty", {"failure": "raise"}, ["2"]),
+        ("marin_vf_faulty", {"failure": "nan"}, ["2", "3"]),
+    ],
+)
+def test_single_turn_tasks_score_without_an_episode_as_the_episode_does(tokenizer, taskset, args, texts):
+    direct = VerifiersEnv(taskset, args).bind(tokenizer, name="vf")
+    episodes = VerifiersEnv(taskset, args, direct=False).bind(tokenizer, name="vf")
+    assert direct.episode_needed is None and episodes.episode_needed == "direct: false"
+    for problem in range(len(list(direct.problems()))):
+        ours, theirs = (_group(env, texts, n=len(texts), problem=problem) for env in (direct, episodes))
+        assert [_comparable(r) for r in ours] == [_comparable(r) for r in theirs]
+    assert direct.metrics.as_dict() == episodes.metrics.as_dict()  # the same failures counted
+
+
+def test_tasks_that_need_their_episode_run_it(tokenizer):
+    assert "tools" in VerifiersEnv("marin_vf_calc").bind(tokenizer).episode_needed
+    assert "GuessEnv" in VerifiersEnv("marin_vf_guess").bind(tokenizer).episode_needed
+
+
 # --- scoring failures ---------------------------------------------------------------------------
 
 
