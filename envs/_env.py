@@ -262,12 +262,18 @@ def resolve_env_class(type_: str) -> type[Env]:
     return cls
 
 
-def _import_module(name: str) -> ModuleType:
-    # The `marin-rl` script, unlike `python -m`, does not look in the current directory: an env module
-    # next to the config should import without PYTHONPATH. Appended, so it never shadows a package.
+def importable_from_cwd() -> str:
+    """Put the current directory on the import path (appended, so it never shadows a package): the
+    `marin-rl` script, unlike `python -m`, does not look there, and a module next to the config should
+    import without PYTHONPATH. Returns the directory."""
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)
+    return cwd
+
+
+def _import_module(name: str) -> ModuleType:
+    cwd = importable_from_cwd()
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:

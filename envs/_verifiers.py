@@ -25,11 +25,14 @@ import asyncio
 import contextlib
 import functools
 import math
+import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
-from marin_rl.envs._env import Env, register_env
+from marin_rl.envs._env import Env, importable_from_cwd, register_env
 from marin_rl.envs._optional import import_optional
 from marin_rl.envs._problems import Problem
 from marin_rl.envs._rewards import EnvMetrics
@@ -37,6 +40,7 @@ from marin_rl.envs._runner import RolloutSettings, gather_all
 from marin_rl.envs._sampling import Sampler
 from marin_rl.envs._tool_calls import resolve_tool_call_format
 from marin_rl.envs._verifiers_endpoint import ChatEndpoint, ChatSessions, Session
+from marin_rl.errors import ConfigError
 from marin_rl.types import Rollout
 
 VERIFIERS_VERSION = "0.4.0"
@@ -90,6 +94,7 @@ class VerifiersEnv(Env):
         direct: bool = True,
     ):
         vf = _vf()
+        taskset = _taskset_id(taskset)
         self._config = vf.resolve_env_config({**(env_args or {}), "id": env, "taskset": {**(taskset_args or {}), "id": taskset}})
         self._envs: dict[float, Any] = {}
         self._serving: dict[Any, _Serving] = {}
@@ -268,6 +273,20 @@ class _Serving:
                 self._users -= 1
                 if self._users == 0:
                     await self._stack.aclose()
+
+
+def _taskset_id(taskset: str) -> str:
+    """The id verifiers imports: an installed taskset's id, a module in the current directory, or the
+    module of a file `path/to/my_taskset.py` (its folder goes on the import path)."""
+    if not taskset.endswith(".py"):
+        importable_from_cwd()
+        return taskset
+    file = Path(taskset).resolve()
+    if not file.is_file():
+        raise ConfigError(f"verifiers taskset: no file {taskset!r} (relative paths start at {os.getcwd()})")
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    return file.stem
 
 
 def _describe(errors: list) -> str:

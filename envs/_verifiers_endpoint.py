@@ -334,6 +334,9 @@ class ChatEndpoint:
             return _json(await sessions.complete(session_id, body))
         except (RequestError, json.JSONDecodeError) as e:
             return _json({"error": {"message": str(e), "code": 400}}, status=400)
+        except ConnectionError:  # the caller went away (a run stopping with rollouts in flight): no one to answer
+            logger.debug("verifiers model call abandoned by its caller (session %s)", session_id)
+            return _json({"error": {"message": "the caller went away", "code": 499}}, status=499)
         except Exception as e:  # noqa: BLE001 - the rollout records it as a failed model call
             logger.exception("verifiers model call failed (session %s)", session_id)
             return _json({"error": {"message": f"{type(e).__name__}: {e}", "code": 500}}, status=500)

@@ -44,3 +44,27 @@ def test_reward_of_a_verifiers_taskset_rises(tmp_path):
     assert all(r.get("workers/vf-addition/errors", 0) == 0 for r in records)
     # A connection or server the run left open is reported here (warnings are errors), not in a later test.
     gc.collect()
+
+
+def test_the_docs_verifiers_taskset_trains_from_the_working_directory(tmp_path):
+    """docs/envs.md's first verifiers taskset and config, saved as a newcomer saves them, train with
+    `marin-rl train` run in their folder (the taskset module found there, not installed)."""
+    import re
+
+    from marin_rl.storage import read_rollouts
+    from marin_rl.testing import run_command
+
+    section = Path("docs/envs.md").read_text().split("**Your first taskset.**", 1)[1]
+    taskset = re.findall(r"^```python\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE)[0]
+    config = re.findall(r"^```yaml\n(.*?)^```", section, flags=re.DOTALL | re.MULTILINE)[0]
+    (tmp_path / "my_vf_taskset.py").write_text(taskset)
+    (tmp_path / "my_vf.yaml").write_text(config)
+    done = run_command(["train", "my_vf.yaml", "--max_steps=3", "--batcher.total_token_budget=640", "--server.max_seqs=16"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "my_vf"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["workers/last-letter/errors"] == 0 for r in records)
+    rollouts = read_rollouts(run_dir)
+    assert rollouts and all(r.metadata["verifiers"]["stop_condition"] == "agent_completed" for r in rollouts)
+    assert {r.rewards["correct"] for r in rollouts} <= {0.0, 1.0}
