@@ -26,9 +26,18 @@ def add_parser(subparsers) -> None:
     rollouts = subparsers.add_parser("rollouts", help="inspect the rollouts a run wrote to disk")
     commands = rollouts.add_subparsers(dest="rollouts_command", required=True)
 
-    summary = commands.add_parser("summary", help="counts, tokens and rewards per env and policy version")
+    summary = commands.add_parser("summary", help="counts, tokens and rewards per env and policy version, or per problem")
     summary.add_argument("run", type=Path)
     summary.add_argument("--env", help="only this env")
+    summary.add_argument(
+        "--by",
+        choices=["version", "problem"],
+        default="version",
+        help="problem: each problem's reward over the last 10 versions, when it was first solved, its share of "
+        "groups with one reward for all (no signal); failing problems first",
+    )
+    summary.add_argument("--top", type=int, default=20, help="--by problem: show this many problems (0: all)")
+    summary.add_argument("--solved", type=float, default=1.0, help="--by problem: a rollout with this reward or more solves its problem")
     summary.set_defaults(handler=summary_command)
 
     show = commands.add_parser("show", help="render rollouts as conversations, newest first")
@@ -47,9 +56,15 @@ def add_parser(subparsers) -> None:
         "or write it as one self-contained HTML file with -o.",
     )
     view.add_argument("run", type=Path)
-    view.add_argument("-o", "--output", type=Path, help="write one HTML file (the newest --limit rollouts) instead of serving")
+    view.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="write one HTML file instead of serving: at most --limit rollouts, the latest group of every problem "
+        "(failing ones first), a group from each policy version, then the newest",
+    )
     view.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
-    view.add_argument("--limit", type=int, default=2000, help="rollouts in an HTML file, newest first (default 2000)")
+    view.add_argument("--limit", type=int, default=2000, help="most rollouts in an HTML file (default 2000)")
     view.add_argument("--tokenizer", help="tokenizer to show sampled tokens with (default: the run's)")
     view.set_defaults(handler=view_command)
 
@@ -88,6 +103,8 @@ class _Reader:
 
 
 def summary_command(args, console: Console) -> int:
+    if args.by == "problem":
+        return problem_summary(args, console)
     reader = _Reader(args.run, args.env)
     stats: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(list))
     for r in reader.rollouts():
@@ -121,6 +138,43 @@ def summary_command(args, console: Console) -> int:
     return reader.report()
 
 
+def problem_summary(args, console: Console) -> int:
+    from marin_rl import viewer
+    from marin_rl.problem_stats import RECENT_VERSIONS, problem_stats
+
+    index = viewer.build_index(args.run)
+    reader = viewer.RolloutReader(index, None, {})
+    if args.env is not None and args.env not in set(index.columns["environment"]):
+        raise ConfigError(f"--env {args.env!r}: no such env in {args.run}; envs: {sorted(set(index.columns['environment']))}")
+    rows = [s for s in problem_stats(index.columns, solved=args.solved) if args.env is None or s.env == args.env]
+    shown = rows[: args.top] if args.top else rows
+    table = Table(title=f"problems of {args.run.resolve().name} (failing first)")
+    table.add_column("env", no_wrap=True, max_width=14, overflow="ellipsis")
+    table.add_column("problem", no_wrap=True, max_width=18, overflow="ellipsis")
+    for column in ("recent", "solved", "0-var"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("prompt", no_wrap=True, overflow="ellipsis")
+    for row in shown:
+        table.add_row(
+            row.env,
+            row.problem_id,
+            "-" if row.recent_reward is None else f"{row.recent_reward:.2f}",
+            "never" if row.first_solved is None else f"v{row.first_solved}",
+            "-" if row.zero_variance is None else f"{row.zero_variance:.0%}",
+            " ".join(reader.prompt(row.example_uid).split()),
+        )
+    console.print(table)
+    console.print(
+        f"recent: mean reward over the env's last {RECENT_VERSIONS} versions\n"
+        f"solved: the first version with a reward >= {args.solved:g}\n"
+        "0-var: share of recent groups whose rollouts all got one reward (no signal)"
+        + (f"\n{len(rows) - len(shown)} more problems (--top 0 shows all)" if len(shown) < len(rows) else ""),
+        style="dim",
+        highlight=False,
+    )
+    return 0
+
+
 def _named_rewards_table(stats: dict[tuple[str, int], dict], env_width: int) -> Table:
     """Each env's named rewards: mean at its first and latest policy version, and over all rollouts."""
     table = Table(title="named rewards", caption="mean at the env's first and latest policy version, and overall")
@@ -146,25 +200,42 @@ def _named_rewards_table(stats: dict[tuple[str, int], dict], env_width: int) -> 
 
 def show_command(args, console: Console) -> int:
     reader = _Reader(args.run, args.env)
-    shown = 0
+    shown: list[list] = []  # [rollout, copies]
+    index: dict[tuple, int] = {}  # a group's identical samples -> their panel
+    groups: set[str] = set()
     for r in reader.rollouts(newest_first=True):
-        if shown >= args.n:
-            break
         if args.min_reward is not None and r.reward < args.min_reward:
             continue
         if args.max_reward is not None and r.reward > args.max_reward:
             continue
         if args.version is not None and r.policy_version != args.version:
             continue
-        console.print(render_rollout(r))
-        shown += 1
-    if shown == 0:
+        key = (r.group_id, r.reward, tuple(t.token_ids.tobytes() for t in r.turns))
+        if key in index:
+            shown[index[key]][1] += 1
+            continue
+        if len(shown) >= args.n and r.group_id not in groups:
+            break  # past the last group shown: its copies were counted
+        if len(shown) < args.n:
+            index[key] = len(shown)
+            shown.append([r, 1])
+            groups.add(r.group_id)
+    for r, copies in shown:
+        console.print(render_rollout(r, copies))
+    if not shown:
         console.print("no rollout matches the filters")
     return reader.report()
 
 
-def render_rollout(r: Rollout) -> Panel:
+def render_rollout(r: Rollout, copies: int = 1) -> Panel:
+    """A rollout as a panel; `copies`: how many samples of its group were the same (shown once). The title
+    stays short and the ids go in the body, which wraps: the panel fits the terminal (80 columns)."""
     body = Text()
+    named = " ".join(f"{k}={v:g}" for k, v in r.rewards.items())
+    body.append(f"problem {r.problem_id}\nrewards {named}\ngroup {r.group_id} · uid {r.rollout_uid}\n", style="dim")
+    if r.metadata:
+        body.append(f"metadata {json.dumps(r.metadata, default=str)[:200]}\n", style="dim")
+    body.append("\n")
     for turn in r.turns:
         body.append(f"{turn.role}", style=f"bold {ROLE_STYLES.get(turn.role, 'white')}")
         detail = f"  [{len(turn.token_ids)} tokens"
@@ -176,14 +247,12 @@ def render_rollout(r: Rollout) -> Panel:
         body.append(detail + "]\n", style="dim")
         body.append(turn.content + "\n\n")
     body.rstrip()
-    named = " ".join(f"{k}={v:g}" for k, v in r.rewards.items())
-    title = f"{r.environment} · problem {r.problem_id} · reward {r.reward:g} ({named}) · v{r.policy_version}"
+    title = f"{r.environment} · reward {r.reward:g} · v{r.policy_version}"
     if r.is_truncated:
         title += " · truncated"
-    subtitle = f"uid {r.rollout_uid} · group {r.group_id}"
-    if r.metadata:
-        subtitle += f" · {json.dumps(r.metadata, default=str)[:200]}"
-    return Panel(body, title=escape(title), subtitle=escape(subtitle), title_align="left", subtitle_align="left")
+    if copies > 1:
+        title += f" · x{copies} identical in its group"
+    return Panel(body, title=escape(title), title_align="left")
 
 
 def view_command(args, console: Console) -> int:
@@ -191,8 +260,8 @@ def view_command(args, console: Console) -> int:
 
     index, reader = viewer.open_run(args.run, args.tokenizer)
     if args.output is not None:
-        count = viewer.write_html(index, reader, args.output, args.limit)
-        console.print(f"wrote {args.output}: {count} of {index.size} rollouts (newest first)", highlight=False)
+        _, kept = viewer.write_html(index, reader, args.output, args.limit)
+        console.print(f"wrote {args.output}: {kept}", highlight=False)
         return 0
     try:
         server = viewer.make_server(index, reader, args.port)

@@ -62,14 +62,16 @@ def make_group(
     completion_lens: list[int] | None = None,
     policy_version: int = 0,
     seed: int = 0,
+    problem_id: str | None = None,
 ) -> list[Rollout]:
-    """One group: a rollout per reward, sharing a prompt length and group id."""
+    """One group: a rollout per reward, sharing a prompt length and group id (and problem: `problem_id`,
+    by default the group id)."""
     completion_lens = completion_lens or [3] * len(rewards)
     return [
         make_rollout(
             env=env,
             group_id=group_id,
-            problem_id=group_id,
+            problem_id=group_id if problem_id is None else problem_id,
             prompt_len=prompt_len,
             completion_len=n,
             reward=r,

@@ -3,18 +3,21 @@
 An index of every rollout (uid, env, policy version, reward, problem, advantage) is read with
 column projection, so it stays small and quick on 100k rollouts; a rollout's conversation and
 per-token log-probs are read from its segment only when it is opened. Served on 127.0.0.1 by a
-small stdlib HTTP server, or written as one self-contained HTML file (`-o`). The page is
-`assets/viewer.html`: filters, the list, and each rollout as a conversation with tokens coloured by
-log-prob or advantage; `#uid=...` links to a rollout.
+small stdlib HTTP server, or written as one self-contained HTML file (`-o`, `select_for_file`). The
+page is `assets/viewer.html`: filters, the list, each rollout as a conversation with tokens coloured by
+log-prob or advantage (`#uid=...` links to one, and the list follows it), the problems failing first
+(`#problems`, `problem_stats`), a problem's page (`#problem=...&env=...`) and a group's samples side by
+side (`#group=...`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from marin_rl.problem_stats import ProblemStats, problem_stats
 from marin_rl.storage import iter_run_segments, read_segment, table_to_rollouts
 from marin_rl.types import Rollout
 
@@ -135,6 +139,18 @@ class RolloutReader:
             return None
         return self.tokenizer.batch_decode([[int(t)] for t in ids], skip_special_tokens=False)
 
+    def prompt(self, uid: str) -> str:
+        """The text the model first answered in rollout `uid` (its turns before the first assistant turn)."""
+        i = self._row[uid]
+        path, row = self.index.where[i]
+        (rollout,) = table_to_rollouts(self._segment(path).slice(row, 1))
+        before = []
+        for turn in rollout.turns:
+            if turn.role == "assistant":
+                break
+            before.append(turn.content)
+        return "\n".join(before)
+
     def search(self, text: str) -> list[str]:
         """uids of the rollouts whose conversation contains `text` (case-insensitive)."""
         found = []
@@ -193,27 +209,68 @@ def rollout_view(rollout: Rollout, advantage: float | None, algorithm, tokens_of
     }
 
 
-def page(index: RunIndex, details: dict[str, dict] | None, on_disk: int | None = None) -> str:
-    """The page with its data inlined; without `details` it asks the server for each rollout."""
+def page(index: RunIndex, details: dict[str, dict] | None, *, problems: list[ProblemStats], on_disk: int | None = None, kept: str = "") -> str:
+    """The page with its data inlined; without `details` it asks the server for each rollout. `problems`:
+    the whole run's problem statistics; `kept`: what a file holds of the run."""
     data = {
         "run": index.run.resolve().name,
         "index": index.columns,
         "on_disk": index.size if on_disk is None else on_disk,
         "skipped": index.skipped,
         "details": details,
+        "problems": [dataclasses.asdict(p) for p in problems],
+        "kept": kept,
     }
     # `</` cannot close the script element from inside the JSON.
     return PAGE.read_text().replace("/*DATA*/null", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
 
 
-def write_html(index: RunIndex, reader: RolloutReader, output: Path, limit: int) -> int:
-    """One self-contained file with the newest `limit` rollouts; returns how many it holds."""
-    newest = sorted(range(index.size), key=lambda i: index.columns["policy_version"][i], reverse=True)[:limit]
-    keep = sorted(newest)
+def write_html(index: RunIndex, reader: RolloutReader, output: Path, limit: int) -> tuple[int, str]:
+    """One self-contained file with at most `limit` rollouts, chosen by `select_for_file`; returns how many
+    it holds and what they are."""
+    problems = problem_stats(index.columns)
+    keep, kept = select_for_file(index, limit, problems)
+    keep = sorted(keep)
     subset = RunIndex(index.run, {k: [v[i] for i in keep] for k, v in index.columns.items()}, [index.where[i] for i in keep], index.skipped)
     details = {uid: reader.rollout(uid) for uid in subset.columns["rollout_uid"]}
-    output.write_text(page(subset, details, on_disk=index.size))
-    return subset.size
+    output.write_text(page(subset, details, problems=problems, on_disk=index.size, kept=kept))
+    return subset.size, kept
+
+
+def select_for_file(index: RunIndex, limit: int, problems: list[ProblemStats]) -> tuple[list[int], str]:
+    """Which rollouts a file keeps, in this order until `limit`: the latest group of every problem (failing
+    problems first: they are what a reader looks for), one group from each policy version (spread evenly
+    when there are more versions than room), then the newest. Returns the rows and a line saying so."""
+    columns = index.columns
+    groups: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for i, key in enumerate(zip(columns["environment"], columns["group_id"])):
+        groups[key].append(i)
+    chosen: dict[int, None] = {}
+
+    def take(rows: list[int]) -> int:
+        before = len(chosen)
+        for i in rows:
+            if len(chosen) >= limit:
+                break
+            chosen.setdefault(i)
+        return len(chosen) - before
+
+    latest = sum(take(groups[(p.env, p.latest_group)]) for p in problems)
+    per_version: dict[tuple[str, int], tuple[str, str]] = {}
+    for key, rows in groups.items():
+        per_version.setdefault((key[0], columns["policy_version"][rows[0]]), key)
+    versions = sorted(per_version)
+    room = max(0, limit - len(chosen)) // max(1, max(len(rows) for rows in groups.values()))
+    spread = [versions[int(k)] for k in np.unique(np.linspace(0, len(versions) - 1, min(room, len(versions))).round())] if room else []
+    across = sum(take(groups[per_version[v]]) for v in spread)
+    newest = take(sorted(range(index.size), key=lambda i: columns["policy_version"][i], reverse=True))
+    failing = sum(p.recent_reward is not None and p.recent_reward < 1 for p in problems)
+    kept = (
+        f"{len(chosen)} of {index.size} rollouts: the latest group of each of {len(problems)} problems ({latest}, "
+        f"{failing} problems below a recent reward of 1, failing first), a group from each of {len(spread)} of "
+        f"{len(versions)} policy versions ({across}), then the newest ({newest})"
+    )
+    return list(chosen), kept
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -253,7 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(index: RunIndex, reader: RolloutReader, port: int = 0) -> ThreadingHTTPServer:
     """An HTTP server on 127.0.0.1 (only this machine can read the run); `serve_forever()` to run it."""
-    handler = functools.partial(_Handler, html=page(index, None), reader=reader)
+    handler = functools.partial(_Handler, html=page(index, None, problems=problem_stats(index.columns)), reader=reader)
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     server.daemon_threads = True
     return server

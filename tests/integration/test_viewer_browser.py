@@ -123,15 +123,15 @@ def test_a_rollout_is_a_conversation_with_coloured_tokens_and_a_link(browser, se
     assert browser.current_url.endswith("#uid=" + clicked)
 
 
-def test_the_html_file_holds_the_newest_rollouts_and_works_offline(browser, served, tmp_path):
+def test_the_html_file_holds_what_matters_and_works_offline(browser, served, tmp_path):
     run_dir, index, _ = served
     reader = viewer.RolloutReader(index, None, {})
     output = tmp_path / "rollouts.html"
-    assert viewer.write_html(index, reader, output, limit=50) == 50
+    count, kept = viewer.write_html(index, reader, output, limit=50)
+    assert count == 50 and kept.startswith(f"50 of {index.size} rollouts: the latest group of each of")
     browser.get(output.as_uri())
-    wait_for(browser, lambda: count_text(browser) == f"50 of 50 rollouts (the newest of {index.size} on disk)")
-    versions = [int(row.find_elements("tag name", "td")[2].text) for row in browser.find_elements("css selector", "tr.row")]
-    assert versions == sorted(index.columns["policy_version"], reverse=True)[:50]
+    wait_for(browser, lambda: count_text(browser) == f"50 of 50 rollouts (50 of the {index.size} on disk are in this file)")
+    assert browser.find_element("id", "kept").text == "this file holds " + kept
     first = browser.find_element("css selector", "tr.row")
     clicked = first.get_attribute("data-uid")
     first.click()
@@ -141,3 +141,65 @@ def test_the_html_file_holds_the_newest_rollouts_and_works_offline(browser, serv
     contents = [e.get_attribute("textContent") for e in browser.find_elements("css selector", "#detail .turn .content")]
     assert contents == [turn.content for turn in rollout.turns]
     assert contents[0].strip(), "the prompt is missing"
+
+
+@pytest.fixture(scope="module")
+def stuck_run(tmp_path_factory):
+    """20 policy versions of 5 problems in groups of 4: `3+1=` stays at reward 0, the others learn by v5."""
+    from marin_rl.storage import RolloutWriter
+    from marin_rl.testing import make_group
+
+    run_dir = tmp_path_factory.mktemp("stuck")
+    writer = RolloutWriter(run_dir / "rollouts" / "addition")
+    for version in range(20):
+        for a in range(5):
+            rewards = [0.0] * 4 if a == 3 else [0.0, 1.0, 0.0, 0.0] if version < 5 else [1.0] * 4
+            writer.append(make_group(rewards, env="addition", group_id=f"g{version}-{a}", problem_id=f"{a}+1=", policy_version=version, seed=version * 5 + a))
+    writer.close()
+    return run_dir
+
+
+def test_the_problem_page_and_summary_name_the_problem_that_stays_at_zero(browser, stuck_run, tmp_path, capsys):
+    from marin_rl.cli import main
+
+    index, reader = viewer.open_run(stuck_run, tokenizer="char")
+    server = viewer.make_server(index, reader, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        browser.get(url + "#problems")
+        rows = wait_for(browser, lambda: browser.find_elements("css selector", "#problems tbody tr"))
+        cells = [td.text for td in rows[0].find_elements("tag name", "td")]
+        assert cells[:5] == ["addition", "3+1=", "0.000", "never", "100%"] and rows[0].get_attribute("class") == "failing"
+        assert len(rows) == 5 and all(row.get_attribute("class") == "" for row in rows[1:])
+        rows[0].find_element("tag name", "a").click()  # its page: the list narrows to it, its latest group beside
+        wait_for(browser, lambda: browser.find_element("id", "problem-title").text == "problem 3+1= (addition)")
+        assert "first solved: never" in browser.find_element("id", "problem-stats").text
+        wait_for(browser, lambda: browser.find_element("id", "group-title").text == "group g19-3 · 4 samples")
+        samples = browser.find_elements("css selector", ".sample .meta")
+        assert len(samples) == 4 and all(m.text.startswith("reward 0.000") for m in samples)
+        wait_for(browser, lambda: count_text(browser).startswith("80 of 400 rollouts"))
+
+        # The list follows a rollout opened by its link, even one far down (the oldest; 200 rows a page).
+        browser.get(url)
+        oldest = index.columns["rollout_uid"][0]
+        browser.get(f"{url}#uid={oldest}")
+        selected = wait_for(browser, lambda: browser.find_element("css selector", "tr.selected"))
+        assert selected.get_attribute("data-uid") == oldest
+        visible = "const r = arguments[0].getBoundingClientRect(), l = document.getElementById('list').getBoundingClientRect();" \
+                  "return r.top >= l.top && r.bottom <= l.bottom;"  # fmt: skip
+        assert browser.execute_script(visible, selected)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    assert main(["rollouts", "summary", str(stuck_run), "--by", "problem"]) == 0
+    first_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│"))
+    assert [c.strip() for c in first_row.strip("│").split("│")][1:4] == ["3+1=", "0.00", "never"]
+
+    # A file small enough to keep only some groups still holds the failing problem's latest one, first.
+    output = tmp_path / "stuck.html"
+    viewer.write_html(index, reader, output, limit=40)
+    browser.get(output.as_uri() + "#problem=3%2B1%3D&env=addition")
+    wait_for(browser, lambda: browser.find_element("id", "group-title").text == "group g19-3 · 4 samples")
+    assert [m.text[:12] for m in browser.find_elements("css selector", ".sample .meta")] == ["reward 0.000"] * 4

@@ -51,9 +51,41 @@ def test_summary_fits_80_columns_without_cutting_env_names(tmp_path, monkeypatch
 def test_show_filters_by_env_reward_and_version(run_dir, capsys):
     assert main(["rollouts", "show", str(run_dir), "--env", "math", "--max-reward", "0.5", "--version", "0", "-n", "10"]) == 0
     out = capsys.readouterr().out
-    assert out.count("math · problem a") == 2
+    assert out.count("problem a") == 2 and out.count("math · reward") == 2
     assert "reward 1 " not in out
     assert "assistant" in out and "user" in out
+
+
+def test_show_folds_a_groups_identical_samples_and_fits_80_columns(tmp_path, monkeypatch, capsys):
+    problem = "9f" * 32  # a verifiers problem id: a sha256
+    same = [make_rollout(env="vf-math", group_id="g", problem_id=problem, reward=0.0, seed=1) for _ in range(3)]
+    other = make_rollout(env="vf-math", group_id="g", problem_id=problem, reward=1.0, rewards={"correct": 1.0, "brief": 0.25}, seed=2)
+    writer = RolloutWriter(tmp_path / "rollouts" / "vf-math")
+    writer.append([*same, other])
+    writer.close()
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["rollouts", "show", str(tmp_path), "-n", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("╭") == 2 and "x3 identical in its group" in out  # four samples, two distinct
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert f"problem {problem}" in out  # whole, where a title would have cut it
+    assert "rewards correct=1 brief=0.25" in out and "reward 1 · v0" in out
+
+
+def test_summary_by_problem_names_the_failing_problem_first(tmp_path, monkeypatch, capsys):
+    writer = RolloutWriter(tmp_path / "rollouts" / "addition")
+    for version in range(15):
+        for a in range(4):
+            rewards = [0.0] * 4 if a == 2 else [1.0, 1.0, 0.0, 1.0]
+            writer.append(make_group(rewards, env="addition", group_id=f"g{version}-{a}", problem_id=f"{a}+1=", policy_version=version, seed=a))
+    writer.close()
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["rollouts", "summary", str(tmp_path), "--by", "problem"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [[c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│")]
+    assert rows[0][:5] == ["addition", "2+1=", "0.00", "never", "100%"]
+    assert [row[1] for row in rows[1:]] == ["0+1=", "1+1=", "3+1="] and all(row[2] == "0.75" for row in rows[1:])
+    assert max(len(line) for line in lines) <= 80
 
 
 def test_export_jsonl_round_trips_token_ids(run_dir, tmp_path, capsys):

@@ -68,3 +68,25 @@ def test_the_server_answers_rollouts_and_search_on_127_0_0_1_only(run):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_file_keeps_every_problems_latest_group_failing_first_and_a_sample_across_versions(tmp_path):
+    writer = RolloutWriter(tmp_path / "rollouts" / "addition")
+    for version in range(40):
+        for a in range(5):
+            rewards = [0.0] * 4 if a == 3 else [1.0, 0.0, 1.0, 1.0]
+            writer.append(make_group(rewards, env="addition", group_id=f"g{version}-{a}", problem_id=f"{a}+1=", policy_version=version, seed=a))
+    writer.close()
+    index = viewer.build_index(tmp_path, {})
+    problems = viewer.problem_stats(index.columns)
+    assert problems[0].problem_id == "3+1="
+    rows, kept = viewer.select_for_file(index, 100, problems)
+    assert len(rows) == len(set(rows)) == 100
+    chosen = {index.columns["group_id"][i] for i in rows}
+    assert {f"g39-{a}" for a in range(5)} <= chosen  # every problem's latest group, the failing one included
+    versions = {index.columns["policy_version"][i] for i in rows}
+    assert min(versions) == 0 and len(versions) >= 15  # a group from versions across the run, not only the newest
+    assert kept.startswith("100 of 800 rollouts: the latest group of each of 5 problems (20, 5 problems below a recent reward of 1")
+    # Room for the failing problem's latest group only: it goes first.
+    rows, _ = viewer.select_for_file(index, 4, problems)
+    assert {index.columns["group_id"][i] for i in rows} == {"g39-3"}
