@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,9 @@ class GenerationJob:
     """0: no top-k cut."""
     prompt_logprobs: int | None = None
     """Score the prompt and keep this many top alternatives per position; None skips the forward pass."""
+    request: Hashable | None = None
+    """The jobs of one request (its prompts) share this: admission is fair across requests. None: a
+    request of its own."""
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     submitted_at: float | None = None
     """`time.perf_counter()` when the engine queued it."""

@@ -1,8 +1,9 @@
 """The host side of continuous batching: the request queue, which slot holds which sample, KV pages.
 
-`Scheduler.admit` takes queued jobs in order while slots, pages and the prefill budget last (a job
-that does not fit waits at the head of the queue, so large requests are not starved) and builds the
-arrays of one prefill call. `record_*` take what the device returned, and a sample that finished frees
+`Scheduler.admit` takes queued jobs while slots, pages and the prefill budget last, and builds the
+arrays of one prefill call. Requests take turns (`FairQueue`), so one of thousands of prompts
+cannot hold a small one back for more than the few decode steps it takes to free a slot; the chosen
+job waits for room if it does not fit (others do not overtake it, so large jobs are not starved). `record_*` take what the device returned, and a sample that finished frees
 its slot and pages at once. All pages a sample can ever need (prompt + max_tokens) are reserved when
 it is admitted, so decoding never runs out of pages; the `n` samples of a prompt share its full
 prompt pages and each gets its own copy of a partial last page.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +57,61 @@ def rows_bucket(prompts: int) -> int:
     return rows
 
 
+class FairQueue:
+    """Queued jobs by request (`GenerationJob.request`): `next` takes from the request holding the
+    fewest slots, and among those the one admitted least recently (one never admitted first, oldest
+    first), so requests take turns at every slot that frees."""
+
+    def __init__(self):
+        self._requests: dict[Hashable, collections.deque[GenerationJob]] = {}  # in order of arrival
+        self._last_taken: dict[Hashable, int] = {}  # request -> when `remove` last took one of its jobs
+        self._taken = 0
+        self._count = 0
+
+    def append(self, job: GenerationJob) -> None:
+        self._requests.setdefault(_request_of(job), collections.deque()).append(job)
+        self._count += 1
+
+    def extend(self, jobs) -> None:
+        for job in jobs:
+            self.append(job)
+
+    def next(self, slots_held: Mapping[Hashable, int]) -> GenerationJob | None:
+        """The oldest job of the request whose turn it is (see the class)."""
+        best, best_key = None, None
+        for request in self._requests:
+            key = (slots_held.get(request, 0), self._last_taken.get(request, -1))
+            if best_key is None or key < best_key:
+                best, best_key = request, key
+                if key == (0, -1):
+                    break  # holds nothing, never taken: no later request goes before it
+        return None if best is None else self._requests[best][0]
+
+    def remove(self, job: GenerationJob) -> None:
+        """Take out `job`, which `next` returned."""
+        request = _request_of(job)
+        jobs = self._requests[request]
+        jobs.popleft()
+        self._count -= 1
+        if jobs:
+            self._last_taken[request] = self._taken
+            self._taken += 1
+        else:
+            del self._requests[request]
+            self._last_taken.pop(request, None)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[GenerationJob]:
+        return (job for jobs in self._requests.values() for job in jobs)
+
+
+def _request_of(job: GenerationJob) -> Hashable:
+    # A job without a request is one of its own (its id is unique while it is queued or running).
+    return job.request if job.request is not None else id(job)
+
+
 @dataclass
 class RunningJob:
     job: GenerationJob
@@ -91,7 +148,7 @@ class Scheduler:
         self.config = config
         self.pages = allocator
         self.table_width = table_width
-        self.queue: collections.deque[GenerationJob] = collections.deque()
+        self.queue = FairQueue()
         self.slots: list[tuple[RunningJob, int] | None] = [None] * config.max_seqs
         self.running: list[RunningJob] = []
 
@@ -135,7 +192,8 @@ class Scheduler:
     # -------------------------------------------------------------------------------------- admission
 
     def admit(self, policy_version: int, score) -> Admission | None:
-        """Admit queued jobs (FIFO) into free slots; None when nothing can be admitted now.
+        """Admit queued jobs into free slots, fairly across requests (`FairQueue`); None when nothing
+        can be admitted now.
 
         `score(job) -> PromptScores` is called for jobs that ask for prompt logprobs."""
         config = self.config
@@ -143,10 +201,12 @@ class Scheduler:
         chosen: list[GenerationJob] = []
         free_pages = self.pages.num_free
         longest = 0
-        while self.queue:
-            job = self.queue[0]
+        slots_held = collections.Counter()
+        for running in self.running:
+            slots_held[_request_of(running.job)] += sum(slot is not None for slot in running.slots)
+        while (job := self.queue.next(slots_held)) is not None:
             if job.future.cancelled():
-                self.queue.popleft()
+                self.queue.remove(job)
                 continue
             shared, own = self.pages_needed(job)
             if job.n > len(free_slots) - sum(j.n for j in chosen) or shared + job.n * own > free_pages:
@@ -154,7 +214,8 @@ class Scheduler:
             rows, time = rows_bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
             if chosen and rows * time > config.prefill_tokens:
                 break
-            self.queue.popleft()
+            self.queue.remove(job)
+            slots_held[_request_of(job)] += job.n
             chosen.append(job)
             free_pages -= shared + job.n * own
             longest = max(longest, len(job.prompt_ids))

@@ -90,7 +90,11 @@ class Env:
     success_reward: ClassVar[str | None] = None
     """The reward that means "solved" (>= 1) for pass@k; None uses the total reward."""
     verifier_threads: ClassVar[int] = 8
-    """Most threads running this env's sync reward functions at once (a hung call keeps one)."""
+    """Most threads running this env's sync reward functions at once."""
+    max_hung_verifier_threads: ClassVar[int] = 256
+    """A sync reward call that times out is interrupted if it runs Python code; one blocked in C keeps
+    its thread until it returns. A fresh thread takes its place, while at most this many are stuck;
+    past that, calls wait for a thread and time out."""
 
     _reward_specs: ClassVar[dict[str, tuple[str, float]]] = {}
     _name: str | None = None
@@ -186,7 +190,7 @@ class Env:
         if self._metrics is None:
             from marin_rl.envs._rewards import EnvMetrics
 
-            self._metrics = EnvMetrics(self.name)
+            self._metrics = EnvMetrics(self.name, self.verifier_pool)
         return self._metrics
 
     @property
@@ -195,7 +199,9 @@ class Env:
         if self._verifier_pool is None:
             from marin_rl.envs._rewards import VerifierThreads
 
-            self._verifier_pool = VerifierThreads(self.verifier_threads, name=f"verifier:{self.name}")
+            self._verifier_pool = VerifierThreads(
+                self.verifier_threads, name=f"verifier:{self.name}", max_hung=self.max_hung_verifier_threads
+            )
         return self._verifier_pool
 
     def reward_functions(self) -> dict[str, tuple[Callable[..., Any], float]]:

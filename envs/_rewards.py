@@ -2,18 +2,19 @@
 
 A reward function that raises (anything, `SystemExit` included), runs past its timeout, or returns
 something that is not a finite number scores 0; the error is recorded by name and counted, and
-nothing else is affected. Sync reward functions run on the env's `VerifierThreads`, a bounded pool
-of daemon threads: Python cannot kill a thread, so a hung call keeps its thread, but there are never
-more than the pool's size (calls that find every thread stuck wait, then time out and score 0), and
-a stuck thread never keeps the process from exiting. Threads still running a timed-out call are
-reported as `hung_verifier_threads`. Async reward functions run on the caller's event loop and are
-cancelled at the timeout; they must not block it.
+nothing else is affected. Sync reward functions run on the env's `VerifierThreads`, daemon threads
+of which at most `verifier_threads` serve at once: Python cannot kill a thread, so a call that times
+out is abandoned: its thread is interrupted if it runs Python code and replaced (see the class; a stuck
+thread never keeps the process from exiting). Threads still running a timed-out call are reported as
+`hung_verifier_threads`. Async reward functions run on the caller's event loop and are cancelled at
+the timeout; they must not block it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import inspect
 import math
@@ -30,22 +31,19 @@ import numpy as np
 class EnvMetrics:
     """Monotonic counters of one env, logged as `envs/{name}/{counter}`."""
 
-    def __init__(self, env_name: str):
+    def __init__(self, env_name: str, threads: VerifierThreads | None = None):
+        """`threads`: the env's verifier threads, whose hung ones are reported."""
         self.env_name = env_name
         self.counts: Counter[str] = Counter()
-        self._abandoned: list[concurrent.futures.Future] = []
+        self.threads = threads
 
     def increment(self, counter: str, by: int = 1) -> None:
         self.counts[counter] += by
 
-    def abandon(self, call: concurrent.futures.Future) -> None:
-        """A timed-out sync call whose thread may still be running it."""
-        self._abandoned.append(call)
-
     def as_dict(self) -> dict[str, float]:
-        self._abandoned = [f for f in self._abandoned if f.running()]
         out = {f"envs/{self.env_name}/{k}": float(v) for k, v in sorted(self.counts.items())}
-        out[f"envs/{self.env_name}/hung_verifier_threads"] = float(len(self._abandoned))
+        if self.threads is not None:
+            out[f"envs/{self.env_name}/hung_verifier_threads"] = float(self.threads.hung)
         return out
 
 
@@ -95,9 +93,12 @@ async def _run_one(
     except TimeoutError:
         metrics.increment("reward_timeouts")
         if call is not None and call.cancelled():  # never started: every thread was busy
-            return 0.0, f"timed out after {timeout_s:g}s waiting for one of the {threads.size} verifier threads (hung calls hold them)"
+            return 0.0, (
+                f"timed out after {timeout_s:g}s waiting for a verifier thread ({threads.hung} stuck in calls "
+                f"that timed out, {threads.max_hung} more than verifier_threads at most)"
+            )
         if call is not None:
-            metrics.abandon(call)
+            threads.abandon(call)
         return 0.0, f"timed out after {timeout_s:g}s"
     except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
         metrics.increment("reward_errors")
@@ -141,51 +142,100 @@ def _as_reward(value: Any) -> float | None:
 
 
 class VerifierThreads:
-    """At most `size` daemon threads running sync reward functions, started as needed.
+    """Threads running sync reward functions: at most `size` serving at once, started as needed.
 
-    A call that times out cannot be stopped: its thread stays busy until the function returns. The
-    bound keeps hung calls from piling up threads; once every thread is stuck, later calls wait in
-    the queue and time out (a timed-out call still queued is dropped, never run).
+    Python cannot stop a thread. A call that times out is abandoned (`abandon`): its thread leaves the
+    pool, gets an exception raised in it (which ends a call stuck in Python code: a loop, a slow parser)
+    and exits once its call ends; a fresh thread serves in its place. A call blocked in C (a regex, a
+    socket read) keeps its thread until it returns, so threads are capped at `size + max_hung`: past
+    that, calls wait in the queue and time out (one still queued is dropped, never run), and the run's
+    limit on failed rewards stops it.
     """
 
-    def __init__(self, size: int = 8, name: str = "verifier"):
+    def __init__(self, size: int = 8, name: str = "verifier", max_hung: int = 256):
         if size < 1:
             raise ValueError(f"VerifierThreads: size must be >= 1, got {size}")
+        if max_hung < 0:
+            raise ValueError(f"VerifierThreads: max_hung must be >= 0, got {max_hung}")
         self.size = size
+        self.max_hung = max_hung
         self.name = name
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._threads = 0
-        self._idle = 0  # threads waiting for a call
+        self._serving: set[threading.Thread] = set()
+        self._abandoned: set[threading.Thread] = set()  # still running a timed-out call
+        self._running: dict[concurrent.futures.Future, threading.Thread] = {}
+        self._started = 0
+        self._idle = 0  # serving threads waiting for a call
         self._queued = 0  # calls not yet taken by a thread
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         call: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._queued += 1
-            start = self._queued > self._idle and self._threads < self.size
-            self._threads += start
+            self._start_if_needed()
         self._calls.put((call, fn))
-        if start:
-            threading.Thread(target=self._serve, name=f"{self.name}-{self._threads}", daemon=True).start()
         return call
+
+    def abandon(self, call: concurrent.futures.Future) -> None:
+        """`call` timed out: interrupt its thread and let a fresh one take the calls waiting."""
+        with self._lock:
+            thread = self._running.pop(call, None)
+            if thread is None:
+                return  # finished meanwhile, or never started
+            self._serving.discard(thread)
+            self._abandoned.add(thread)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned))
+            self._start_if_needed()
+
+    def _start_if_needed(self) -> None:
+        # Under the lock: a call waits with no idle thread, and both caps leave room for one more.
+        if self._queued > self._idle and len(self._serving) < self.size and self.threads < self.size + self.max_hung:
+            self._started += 1
+            thread = threading.Thread(target=self._serve, name=f"{self.name}-{self._started}", daemon=True)
+            self._serving.add(thread)
+            thread.start()
 
     @property
     def threads(self) -> int:
-        """Threads started so far (never more than `size`)."""
-        return self._threads
+        """Threads alive (never more than `size + max_hung`)."""
+        return len(self._serving) + self.hung
+
+    @property
+    def hung(self) -> int:
+        """Threads still running a call that timed out."""
+        self._abandoned = {t for t in self._abandoned if t.is_alive()}
+        return len(self._abandoned)
 
     def _serve(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            call, fn = self._calls.get()
-            with self._lock:
-                self._idle -= 1
-                self._queued -= 1
-            if not call.set_running_or_notify_cancel():
-                continue  # timed out while queued
-            try:
-                call.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - SystemExit too: handed to the awaiting coroutine
-                call.set_exception(_contain(e))
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._lock:
+                    self._idle += 1
+                call, fn = self._calls.get()
+                with self._lock:
+                    self._idle -= 1
+                    self._queued -= 1
+                    if not call.set_running_or_notify_cancel():
+                        continue  # timed out while queued
+                    self._running[call] = me
+                try:
+                    result, error = fn(), None
+                except BaseException as e:  # noqa: BLE001 - SystemExit too: handed to the awaiting coroutine
+                    result, error = None, _contain(e)
+                with self._lock:
+                    abandoned = me not in self._serving  # then a fresh thread took this one's place
+                    self._running.pop(call, None)
+                if error is None:
+                    call.set_result(result)
+                else:
+                    call.set_exception(error)
+                if abandoned:
+                    return
+        except _Abandoned:  # raised late, once the call had ended: this thread was leaving anyway
+            pass
+
+
+class _Abandoned(BaseException):
+    """Raised in a thread whose reward call timed out, to end a call stuck in Python code."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import equinox as eqx
 
+from marin_rl.errors import naming_full_disk
 from marin_rl.learner._files import fsync_tree, replace_dir
 
 MODEL_FILE = "model.eqx"
@@ -27,20 +28,21 @@ _CHECKPOINT_DIR = re.compile(r"step-(\d+)")
 def save_checkpoint(directory: Path, step: int, *, model, opt_state, state: dict, keep: int) -> Path:
     """Write checkpoint `step` (model, optimizer state, JSON-able `state`) and delete all but the newest
     `keep` complete checkpoints. Returns the checkpoint's directory."""
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step}"
     tmp = directory / f".tmp-step-{step}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        eqx.tree_serialise_leaves(tmp / MODEL_FILE, model)
-        eqx.tree_serialise_leaves(tmp / OPT_STATE_FILE, opt_state)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
-        (tmp / COMPLETE_MARKER).write_text("")
-        fsync_tree(tmp)
-        replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with naming_full_disk(final):  # outside the clean-up: the free bytes it names are those left after it
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            eqx.tree_serialise_leaves(tmp / MODEL_FILE, model)
+            eqx.tree_serialise_leaves(tmp / OPT_STATE_FILE, opt_state)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+            (tmp / COMPLETE_MARKER).write_text("")
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # the older checkpoints are kept whole
+            raise
     for old in complete_checkpoints(directory)[:-keep]:
         shutil.rmtree(old)
     return final

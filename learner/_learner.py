@@ -21,6 +21,7 @@ import optax
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl.engine import ExactLayout
+from marin_rl.errors import naming_full_disk
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
 from marin_rl.learner._mesh import LearnerMesh
@@ -190,7 +191,9 @@ class Learner:
         policy version), atomically; returns its path."""
         step = self.policy_version if step is None else step
         dtype = jnp.dtype(self.config.export_dtype)
-        return save_hf_model(self.model, self.tokenizer, self.run_dir / HF_DIR / f"step-{step}", dtype=dtype)
+        path = self.run_dir / HF_DIR / f"step-{step}"
+        with naming_full_disk(path):
+            return save_hf_model(self.model, self.tokenizer, path, dtype=dtype)
 
 
 # Module level, with the configs as static arguments, so learners with equal configs share compilations.

@@ -74,6 +74,10 @@ class EnvConfig:
     """Most assistant turns per rollout; None keeps the env's default."""
     verifier_timeout_s: float | None = None
     """A reward function running longer scores 0 and is recorded; None keeps the env's default."""
+    max_reward_failures: float = 0.5
+    """Share of rollouts whose reward failed (raised, timed out, not a number), over windows of 64,
+    that stops the run with an error: training on zeros teaches nothing. 1 never stops. Past 1% a
+    warning is printed."""
     algorithm: AlgorithmConfig = field(default_factory=RlooConfig)
     """How this env's rollouts become training signal: `type: rloo | grpo | dr_grpo | sft | opd`
     (docs/algorithms.md)."""
@@ -89,6 +93,8 @@ class EnvConfig:
             raise ValueError(f"envs[{self.name}].replicas must be >= 1, got {self.replicas}")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"envs[{self.name}].fraction must be in [0, 1], got {self.fraction}")
+        if not 0.0 <= self.max_reward_failures <= 1.0:
+            raise ValueError(f"envs[{self.name}].max_reward_failures must be in [0, 1], got {self.max_reward_failures}")
         if self.group_size < self.buffer.min_group_size:
             raise ValueError(
                 f"envs[{self.name}].group_size ({self.group_size}) is below buffer.min_group_size "

@@ -1,5 +1,12 @@
 """Errors the CLI reports as one clear line (no traceback): the user can fix them from the message."""
 
+import contextlib
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and what is allowed."""
@@ -20,3 +27,41 @@ class ProblemSourceError(PermanentError):
 
 class PromptTooLong(PermanentError):
     """A prompt alone leaves no room for a completion in the row."""
+
+
+class DiskFull(PermanentError):
+    """A write failed for want of space (or quota); the message names the path and the free bytes."""
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | os.PathLike):
+    """Turn a write to `path` that failed for want of space into `DiskFull`: the cause is otherwise
+    buried (numpy says "N requested and M written", Equinox wraps it in a TreePathError)."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        raise DiskFull(f"the disk is full: could not write {path} ({_free_bytes(path):,} bytes free there)") from e
+
+
+def _is_disk_full(error: BaseException | None) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and (
+            error.errno in (errno.ENOSPC, errno.EDQUOT) or _SHORT_WRITE.fullmatch(str(error))
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")  # numpy's tofile, without an errno
+
+
+def _free_bytes(path: str | os.PathLike) -> int:
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free

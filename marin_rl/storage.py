@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from marin_rl.errors import naming_full_disk
 from marin_rl.types import InferenceMetadata, Rollout, Turn
 
 SCHEMA_VERSION = 2
@@ -256,7 +257,11 @@ class RolloutWriter:
             return
         table = rollouts_to_table(self._pending)
         # Another writer may have taken the next name (two writers on one dir): skip ahead.
-        while not write_segment_atomic(self.directory / f"segment-{self._next_index:08d}.parquet", table):
+        while True:
+            path = self.directory / f"segment-{self._next_index:08d}.parquet"
+            with naming_full_disk(path):  # the rollouts stay pending: a later flush writes them
+                if write_segment_atomic(path, table):
+                    break
             self._next_index += 1
         self._next_index += 1
         self.segments_written += 1
@@ -268,9 +273,10 @@ class RolloutWriter:
 def append_reject(path: str | os.PathLike, record: dict[str, Any]) -> None:
     """Append one rejected rollout (uid, field, reason, ...) to an env's rejects file (`env_rejects_path`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+    with naming_full_disk(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
 # ---- reading ----

@@ -64,3 +64,45 @@ def retry_transient(*, max_backoff_s: float, attempts: int | None = None) -> ten
         ),
         reraise=True,
     )
+
+
+REWARD_FAILURE_WINDOW = 64
+"""Rollouts (whole groups, at least this many) over which an env's share of failed rewards is judged."""
+REWARD_FAILURE_WARN_SHARE = 0.01
+"""Share of failed rewards in a window that prints a warning (again each time the share doubles)."""
+
+
+class RewardFailureWatch:
+    """One env's rollouts whose reward failed (raised, timed out, was not a finite number: they score 0).
+
+    Judged over windows of at least `window` rollouts: past `REWARD_FAILURE_WARN_SHARE` a one-line
+    warning, past `max_share` a `PermanentError` (training on zeros teaches nothing)."""
+
+    def __init__(self, env: str, max_share: float, window: int = REWARD_FAILURE_WINDOW):
+        self.env, self.max_share, self.window = env, max_share, window
+        self._rollouts = self._failed = 0
+        self._example: str | None = None
+        self._warned_share = 0.0
+
+    def observe(self, rollouts: list) -> None:
+        """Count a group's rollouts; raises `PermanentError` when a full window fails past `max_share`."""
+        for rollout in rollouts:
+            errors = rollout.metadata.get("reward_errors")
+            self._rollouts += 1
+            if errors:
+                self._failed += 1
+                self._example = self._example or "; ".join(f"{name}: {text}" for name, text in errors.items())
+        if self._rollouts < self.window:
+            return
+        rollouts_seen, failed, example = self._rollouts, self._failed, self._example
+        self._rollouts = self._failed = 0
+        self._example = None
+        share = failed / rollouts_seen
+        what = f"env {self.env!r}: rewards failed for {failed} of the last {rollouts_seen} rollouts ({share:.1%}; {example})"
+        if share > self.max_share:
+            raise PermanentError(
+                f"{what}, more than envs[{self.env}].max_reward_failures = {self.max_share:g}: stopped rather than train on zeros"
+            )
+        if share > REWARD_FAILURE_WARN_SHARE and share >= 2 * self._warned_share:
+            self._warned_share = share
+            logger.warning("%s; they score 0", what)

@@ -9,6 +9,7 @@ in docs/serving.md.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import socket
 import threading
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from marin_rl.engine import DeviceLock
+from marin_rl.errors import ConfigError
 from marin_rl.orchestrator._server_config import InferenceServerConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,25 @@ class WeightSwap:
     @property
     def total_seconds(self) -> float:
         return self.copy_seconds + self.wait_seconds
+
+
+def bind_socket(config: InferenceServerConfig) -> socket.socket:
+    """A socket bound to `config.host:config.port`; a port in use or a host that is not this machine's
+    is a `ConfigError` naming it."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"server.port {config.port} on {config.host} is in use (another server?): choose another "
+                "port, or 0 for a free one"
+            ) from None
+        raise ConfigError(f"server.host {config.host!r}: cannot bind port {config.port} there ({e.strerror})") from None
+    return sock
 
 
 class PolicyServer:
@@ -94,16 +115,14 @@ class PolicyServer:
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
-    def start(self) -> PolicyServer:
-        """Bind the port and serve in a background thread; returns once requests are accepted."""
+    def start(self, sock: socket.socket | None = None) -> PolicyServer:
+        """Serve in a background thread on `sock` (else on a socket bound now, `bind_socket`); returns
+        once requests are accepted."""
         import uvicorn
 
         if self._thread is not None:
             raise RuntimeError("PolicyServer.start() was already called")
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
+        sock = sock or bind_socket(self.config)
         self._port = sock.getsockname()[1]
         self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, name="marin-rl-http", daemon=True)

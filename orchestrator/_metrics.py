@@ -13,6 +13,8 @@ from typing import Any, Mapping
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from marin_rl.errors import naming_full_disk
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -39,8 +41,9 @@ class MetricsLog:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with naming_full_disk(self.path):  # a partial last line is what a killed run leaves too: resumes read past it
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
 

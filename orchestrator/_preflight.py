@@ -64,6 +64,8 @@ def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
             f"({config.batcher.max_seq_len}): the server would refuse rollouts the rows can hold"
         )
     checked = CheckedRun(tokenizer, {}, {}, resume_from)
+    if resume and resume_from is None:
+        checked.notes.append(f"--resume: {config.run_dir} holds no complete checkpoint yet: the run starts at step 0")
     for index, env_config in enumerate(config.envs):
         key = f"envs.{index}"
         env = _build_env(env_config, key, tokenizer)
@@ -89,19 +91,15 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """The checkpoint to resume from (None for a new run, or a run stopped before its first checkpoint,
-    which starts again from step 0); refuses to overwrite a run."""
+    """The checkpoint to resume from (None for a new run, or with `resume` where there is none yet: a
+    run killed before its first checkpoint, or during start-up, starts at step 0); refuses to overwrite
+    a run."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run_dir {run_dir} is a file, not a directory")
     if resume:
         from marin_rl.learner._checkpoint import complete_checkpoints
 
         checkpoints = complete_checkpoints(run_dir / "checkpoints")
-        if not checkpoints and not holds_run(run_dir):
-            raise RunDirError(
-                f"--resume: {run_dir} has no complete checkpoint to resume from (and holds no run): "
-                "start without --resume"
-            )
         return checkpoints[-1] if checkpoints else None
     if holds_run(run_dir):
         raise RunDirError(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import pydantic_core
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -97,6 +98,34 @@ class RequestHandler:
                 param=param,
             )
 
+    def precheck(self, path: str, body: Any) -> None:
+        """What can be refused from the parsed JSON alone, before it is validated into request objects
+        (which takes memory and time in proportion to the prompts): too many sequences or messages."""
+        if not isinstance(body, dict):
+            return  # validation answers
+        n = body.get("n", 1)
+        n = n if isinstance(n, int) and n >= 1 else 1
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (list, str))
+            prompts, param = (len(prompt) if several else 1), "prompt"
+        else:
+            messages = body.get("messages")
+            if isinstance(messages, list) and len(messages) >= self.config.max_seq_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.config.max_seq_len} tokens and the request has "
+                    f"{len(messages)} messages: every message renders as one token at least.",
+                    param="messages",
+                )
+            prompts, param = 1, "n"
+        cap = self.config.max_sequences_per_request
+        if prompts * n > cap:
+            raise bad_request(
+                f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences; the server's "
+                f"max_sequences_per_request is {cap}",
+                param=param,
+            )
+
     def check_prompt_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise bad_request("the prompt is empty", param=param)
@@ -121,6 +150,7 @@ class RequestHandler:
             raise bad_request(f"prompt_logprobs must be in [0, {self.config.max_logprobs}], got {k}", param="prompt_logprobs")
         stop_sequences = self._stop_sequences(request)
         seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31))
+        request_key = object()  # the engine admits jobs fairly across requests
         jobs = []
         for prompt in prompts:  # each already shorter than max_seq_len (check_prompt_ids)
             budget = max_tokens if max_tokens is not None else limit - len(prompt)
@@ -142,6 +172,7 @@ class RequestHandler:
                     top_p=request.top_p if request.top_p is not None else 1.0,
                     top_k=min(max(request.top_k or 0, 0), self.vocab_size),  # past the vocabulary: keep all (as vLLM)
                     prompt_logprobs=k,
+                    request=request_key,
                 )
             )
         return jobs
@@ -246,18 +277,19 @@ def _render_chat(handler: RequestHandler, tokenizer, request: ChatCompletionRequ
     messages = [m.to_template() for m in request.messages]
     handler.check_prompt_text(sum(len(m.get("content") or "") for m in messages), "messages")
     try:
-        ids = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages,
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
-            tokenize=True,
+            tokenize=False,
             **(request.chat_template_kwargs or {}),
         )
     except Exception as e:  # a template error is the request's fault (bad roles/order for this template)
         raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from e
-    if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    # The rendered text is measured before it is tokenized (tokens cost far more memory than characters);
+    # tokenized as apply_chat_template(tokenize=True) does.
+    handler.check_prompt_text(len(text), "messages")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def completion_prompts(handler: RequestHandler, prompt) -> list[list[int]]:
@@ -275,6 +307,44 @@ def completion_prompts(handler: RequestHandler, prompt) -> list[list[int]]:
             p = handler.tokenizer.encode(p, add_special_tokens=True)
         out.append(handler.check_prompt_ids(list(p), "prompt"))
     return out
+
+
+class _Precheck:
+    """ASGI middleware: refuses from a fast parse of the JSON body what `RequestHandler.precheck` can
+    tell is too large (60k prompts, 200k messages), before FastAPI validates it into request objects,
+    which takes time and memory in proportion. Other requests get their body replayed unchanged."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, handler: RequestHandler):
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        messages, chunks = [], []
+        try:
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":
+                    break  # the client went away: the app sees it
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except StarletteHTTPException as e:  # a chunked body past max_request_bytes: 413
+            return await JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)(scope, receive, send)
+        try:
+            self.handler.precheck(scope["path"], pydantic_core.from_json(b"".join(chunks)))
+        except ApiError as e:
+            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        except ValueError:
+            pass  # not JSON: validation answers
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def build_app(
@@ -317,6 +387,8 @@ def build_app(
         except Exception as e:  # noqa: BLE001
             logger.exception("inference request failed")
             return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
+
+    app.add_middleware(_Precheck, handler=handler)  # added last: outermost, it reads the body as sent
 
     @app.get("/health")
     async def health():

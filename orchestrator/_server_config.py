@@ -29,6 +29,9 @@ class InferenceServerConfig(EngineConfig):
     """A request not answered within this many seconds (queueing included) gets HTTP 504."""
     max_request_bytes: int = 8 * 2**20
     """Largest request body; a larger one gets HTTP 413 before it is read (so before any tokenizing)."""
+    max_sequences_per_request: int = 4096
+    """Most sequences one request may ask for (prompts x n); more gets HTTP 400 before any prompt is
+    validated or tokenized. Admission is fair across requests whatever this is (docs/serving.md)."""
     weight_update_token: str | None = None
     """Bearer token of POST /v1/weights/update (the `serve` process only). None reads the
     MARIN_RL_WEIGHT_TOKEN environment variable; with neither, the endpoint is not mounted."""
@@ -39,6 +42,10 @@ class InferenceServerConfig(EngineConfig):
             raise ValueError(f"InferenceServerConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_request_bytes < 1:
             raise ValueError(f"InferenceServerConfig.max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(
+                f"InferenceServerConfig.max_sequences_per_request must be >= 1, got {self.max_sequences_per_request}"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"InferenceServerConfig.port must be in [0, 65535], got {self.port}")
 

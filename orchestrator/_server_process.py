@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 def serve_main(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     # Heavy imports after the config is parsed.
-    from marin_rl.orchestrator._inference_server import PolicyServer
+    from marin_rl.orchestrator._inference_server import PolicyServer, bind_socket
     from marin_rl.tokenizer import load_tokenizer
 
     _check_checkpoint_dir(config.checkpoint)
+    sock = bind_socket(config.server)  # a port in use is named now, not after the model loaded
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
     load = functools.partial(load_checkpoint, tokenizer=tokenizer)
     model = load(config.checkpoint)
@@ -35,7 +36,7 @@ def serve_main(config: ServeConfig) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server.start()
+    server.start(sock)
     logger.info("serving %s (policy version %d) at %s", config.checkpoint, config.policy_version, server.base_url)
     if config.ready_file is not None:
         _write_atomically(config.ready_file, json.dumps({"base_url": server.base_url, "pid": os.getpid()}))

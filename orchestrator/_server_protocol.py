@@ -66,7 +66,8 @@ _NEUTRAL_OPTIONS: dict[str, Any] = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored
+    # Like vLLM, unknown fields are ignored. JSON's Infinity and NaN are refused (400), not sampled with.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marin_rl.config import TrainConfig, dump_config
-from marin_rl.errors import ConfigError, PermanentError
+from marin_rl.errors import ConfigError, DiskFull, PermanentError
 from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
@@ -299,26 +299,26 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     finally:
         gc.unfreeze()
         sys.setswitchinterval(switch_interval)
-        # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights.
+        # Whatever ended the loop, keep what was produced: rollouts on disk, the latest weights. Each part
+        # is stopped even if another fails (a full disk fails every write).
         try:
             workers.stop()
         except KeyboardInterrupt as e:  # a second Ctrl-C while the workers stop: keep the rollouts anyway
             ended_by = e
-        for buffer in buffers.values():
-            buffer.close()
-        metrics_log.close()
-        broadcaster.close()
-        for server in servers:
-            server.shutdown()
-        if runtime is not None:
-            runtime.shutdown()
-        # Not after a NaN (the weights are NaN) or a second Ctrl-C (stop now).
-        if not isinstance(ended_by, (FloatingPointError, KeyboardInterrupt)) and saved[-1:] != [learner.policy_version]:
-            _save_or_log(save_checkpoint, ended_by)
+        closing = [buffer.close for buffer in buffers.values()]
+        closing += [metrics_log.close, broadcaster.close, *(server.shutdown for server in servers)]
+        closing += [runtime.shutdown] if runtime is not None else []
+        failed = ended_by or (failures[0] if failures else None)
+        # Not after a NaN (the weights are NaN), a second Ctrl-C (stop now) or a full disk.
+        if not isinstance(failed, (FloatingPointError, KeyboardInterrupt, DiskFull)) and saved[-1:] != [learner.policy_version]:
+            closing.append(save_checkpoint)
+        stop_errors = _run_all(closing, failed)
         if isinstance(ended_by, KeyboardInterrupt):
             raise ended_by
     if failures:
         raise failures[0]
+    if stop_errors:
+        raise stop_errors[0]
     learner.export_hf()
     return TrainResult(run_dir, learner.policy_version, stopped_early)
 
@@ -340,14 +340,19 @@ def embedded_server_config(config: TrainConfig):
     return dataclasses.replace(config.server, exact_numerics=True, compute_dtype=dtype)
 
 
-def _save_or_log(save, ended_by: BaseException | None) -> None:
-    if ended_by is None:
-        save()
-        return
-    try:  # the run is already failing: its own error is the one to report
-        save()
-    except Exception:  # noqa: BLE001
-        logger.exception("could not write the final checkpoint")
+def _run_all(actions, ended_by: BaseException | None) -> list[Exception]:
+    """Run every action, whichever fail; returns their errors. When the run already failed (`ended_by`),
+    its error is the one reported: these are logged in one line each."""
+    errors = []
+    for action in actions:
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            if ended_by is not None:  # a full disk fails every write: said once, by the run's error
+                level = logging.INFO if isinstance(e, DiskFull) and isinstance(ended_by, DiskFull) else logging.WARNING
+                logger.log(level, "while stopping, %s failed too: %s", getattr(action, "__qualname__", action), " ".join(str(e).split()))
+    return errors
 
 
 def _timed_eval(workers: EnvWorkers, step: int) -> dict[str, float]:

@@ -33,7 +33,7 @@ from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingPa
 from marin_rl.envs._runner import gather_all
 from marin_rl.errors import PermanentError
 from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, LeastLoadedSampler, RetryingSampler, SeededSampler, derive_seed
-from marin_rl.orchestrator._faults import MAX_UNKNOWN_IN_A_ROW, ServerNotReady, classify, describe
+from marin_rl.orchestrator._faults import MAX_UNKNOWN_IN_A_ROW, RewardFailureWatch, ServerNotReady, classify, describe
 from marin_rl.orchestrator._resume import PROBLEM_POSITION_KEY
 from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
 from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
@@ -70,6 +70,8 @@ class WorkerSpec:
     """Ask the teacher for the logprob of every sampled token (on-policy distillation)."""
     eval: EvalConfig | None = None
     """Held-out evaluation settings (None: not evaluated)."""
+    max_reward_failures: float = 0.5
+    """Share of rollouts whose reward failed that stops the run (`RewardFailureWatch`)."""
 
     def rollout_settings(self) -> dict:
         """What `sample_group` and `evaluate` take from this spec besides the sampling."""
@@ -117,6 +119,7 @@ def worker_specs(config: TrainConfig, *, replica_share: int = 1) -> dict[str, Wo
             max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
             max_total_tokens=config.batcher.max_seq_len,
             eval=e.eval,
+            max_reward_failures=e.max_reward_failures,
         )
         for e in config.envs
     }
@@ -159,6 +162,7 @@ class EnvWorkers:
         }  # one per env, shared by its replicas
         self.failure: PermanentError | None = None
         self._on_failure = on_failure
+        self._reward_watches = {name: RewardFailureWatch(name, spec.max_reward_failures) for name, spec in self.specs.items()}
         self._unknown_in_a_row: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -282,9 +286,15 @@ class EnvWorkers:
                 self._on_failure(error)
 
     def _add(self, name: str, rollouts: list[Rollout]) -> None:
-        accepted = self.buffers[name].add(rollouts)
-        self._count(f"workers/{name}/groups")
-        self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+        """Buffer a group; too many failed rewards, or a disk too full for its rollouts, end the run
+        (`self.failure`)."""
+        try:
+            accepted = self.buffers[name].add(rollouts)
+            self._count(f"workers/{name}/groups")
+            self._count(f"workers/{name}/rollouts_rejected", len(rollouts) - accepted)
+            self._reward_watches[name].observe(rollouts)
+        except PermanentError as failure:
+            self._fail(failure)
 
     # ---- free-running ----
 
@@ -330,6 +340,8 @@ class EnvWorkers:
                     if name not in short():
                         break  # the rest of this wave is not needed (its problems stay drawn)
                     self._add(name, rollouts)
+                    if self.failure is not None:
+                        raise self.failure
 
         await gather_all(fill_env(name) for name in self.envs)
 

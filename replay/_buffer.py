@@ -102,6 +102,7 @@ class _Counters:
     tokens: int = 0
     generated_tokens: int = 0
     truncated: int = 0
+    reward_failed: int = 0  # a reward function raised, timed out or returned no number
     rewards: list[float] = field(default_factory=list)
     named_rewards: dict[str, list[float]] = field(default_factory=dict)
     teacher_kl: list[float] = field(default_factory=list)  # per rollout: sum over sampled tokens
@@ -227,6 +228,7 @@ class ReplayBuffer:
         new.tokens += entry.num_tokens
         new.generated_tokens += rollout.num_generated_tokens
         new.truncated += int(rollout.is_truncated)
+        new.reward_failed += bool(rollout.metadata.get("reward_errors"))
         new.neg_logprob -= float(np.sum(entry.behaviour_logprobs))  # 0 off the sampled tokens
         if entry.teacher_logprobs is not None:
             sampled = entry.sampled_mask
@@ -349,6 +351,7 @@ class ReplayBuffer:
             out["reward/mean"] = float(np.mean(new.rewards))
             out["reward/std"] = float(np.std(new.rewards))
             out["frac_truncated"] = new.truncated / new.rollouts
+            out["frac_reward_failed"] = new.reward_failed / new.rollouts
             if new.generated_tokens:
                 # -log p of sampled tokens averages to the policy's entropy: a collapse shows here first.
                 out["sampled_entropy"] = new.neg_logprob / new.generated_tokens

@@ -129,3 +129,48 @@ def test_a_chunk_read_back_late_gives_nothing_to_a_slot_freed_and_taken_again_si
     assert done == [] and scheduler.num_active == 2  # the new job neither got tokens nor was finished
     assert all(tokens == [] for running in scheduler.running for tokens in running.tokens)
     assert scheduler.may_decode(0) and not scheduler.may_decode(7)  # 1 token from prefill + 7 queued = max_tokens
+
+
+def test_a_small_request_behind_a_large_one_is_admitted_as_soon_as_a_slot_frees():
+    config = EngineConfig(max_seqs=8, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(256), table_width=config.pages_per_seq)
+    large = [GenerationJob([1, 2, 3], 2, 4, 1.0, 0, [], request="large") for _ in range(100)]
+    small = GenerationJob([4, 5, 6], 2, 4, 1.0, 0, [], request="small")
+    scheduler.queue.extend(large)
+    first = scheduler.admit(0, None)
+    assert [r.job for r in first.jobs] == large[:4]  # 8 slots, 2 samples each
+    scheduler.queue.append(small)  # arrives behind 96 queued jobs of the large request
+    assert scheduler.admit(0, None) is None  # no free slot
+    for slot in first.jobs[0].slots:  # one job of the large request finishes
+        scheduler._finish(slot)
+    # The small request holds no slot, the large one 6: the small one goes first.
+    assert [r.job for r in scheduler.admit(0, None).jobs] == [small]
+    for slot in first.jobs[1].slots:
+        scheduler._finish(slot)
+    assert [r.job for r in scheduler.admit(0, None).jobs] == [large[4]]
+    assert len(scheduler.queue) == 95 and list(scheduler.queue)[0] is large[5]
+
+
+def test_requests_share_the_slots_evenly_and_keep_their_own_order():
+    config = EngineConfig(max_seqs=6, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(256), table_width=config.pages_per_seq)
+    a = [GenerationJob([1, 2], 1, 4, 1.0, 0, [], request="a") for _ in range(10)]
+    b = [GenerationJob([3, 4], 1, 4, 1.0, 0, [], request="b") for _ in range(10)]
+    c = GenerationJob([5, 6], 1, 4, 1.0, 0, [])  # no request: one of its own
+    scheduler.queue.extend([*a, *b, c])
+    admitted = [r.job for r in scheduler.admit(0, None).jobs]
+    assert admitted == [a[0], b[0], c, a[1], b[1], a[2]]
+
+
+def test_a_request_that_just_freed_every_slot_lets_a_waiting_one_go_first():
+    config = EngineConfig(max_seqs=8, max_seq_len=64, page_size=4)
+    scheduler = Scheduler(config, PageAllocator(256), table_width=config.pages_per_seq)
+    large = [GenerationJob([1, 2, 3], 8, 4, 1.0, 0, [], request="large") for _ in range(10)]
+    scheduler.queue.extend(large)
+    first = scheduler.admit(0, None)
+    scheduler.queue.append(small := GenerationJob([4, 5], 1, 4, 1.0, 0, [], request="small"))
+    for slot in first.jobs[0].slots:
+        scheduler._finish(slot)
+    # Both hold no slot now; the large request was served last, so the small one goes first (and the
+    # large job, needing all 8 slots, waits for room).
+    assert [r.job for r in scheduler.admit(0, None).jobs] == [small]

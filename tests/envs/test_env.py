@@ -2,6 +2,7 @@ import asyncio
 import math
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -184,13 +185,11 @@ def test_failing_verifiers_score_zero_with_recorded_errors(tokenizer):
     assert counters["envs/Fragile/rollouts"] == 2
 
 
-def test_hung_verifiers_never_hold_more_threads_than_the_pool(tokenizer):
-    release = threading.Event()
-    started = []
-
+def _stuck_env(release: threading.Event, started: list, *, hung_cap: int) -> type[Env]:
     class Stuck(Env):
         verifier_timeout_s = 0.1
         verifier_threads = 2
+        max_hung_verifier_threads = hung_cap
 
         def problems(self):
             return [Problem(id="s", prompt="q")]
@@ -201,16 +200,77 @@ def test_hung_verifiers_never_hold_more_threads_than_the_pool(tokenizer):
             release.wait(60)
             return 1.0
 
-    env = Stuck().bind(tokenizer)
-    before = threading.active_count()
+    return Stuck
+
+
+def test_hung_verifier_threads_are_replaced_so_capacity_never_falls_to_zero(tokenizer):
+    release, started = threading.Event(), []
+    env = _stuck_env(release, started, hung_cap=256)().bind(tokenizer)
     try:
         for _ in range(5):  # 10 rollouts, each hanging past the timeout
             for r in _rollouts(env, ScriptedSampler(tokenizer, ["x"]), n=2):
-                assert r.rewards == {"hangs": 0.0} and r.metadata["reward_errors"]["hangs"].startswith("timed out after 0.1s")
-        assert env.verifier_pool.threads == 2 and len(started) == 2  # calls queued behind them never ran
-        assert "waiting for one of the 2 verifier threads" in r.metadata["reward_errors"]["hangs"]
-        assert threading.active_count() - before == 2
-        assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 2
+                assert r.rewards == {"hangs": 0.0} and r.metadata["reward_errors"]["hangs"] == "timed out after 0.1s"
+        assert len(started) == 10  # every call ran: a fresh thread replaced each hung one
+        assert env.verifier_pool.hung == 10 and env.verifier_pool.threads == 10
+        assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 10
+    finally:
+        release.set()
+    _wait_until(lambda: env.verifier_pool.threads == 0)
+    # Released, the abandoned threads end (every thread ran a call that timed out).
+    assert env.verifier_pool.hung == 0 and _threads_named("verifier:Stuck") == 0
+    assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 0
+
+
+def _threads_named(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_reward_stuck_in_python_code_is_interrupted_at_its_timeout(tokenizer):
+    finished = []
+
+    class Looping(Env):
+        verifier_timeout_s = 0.1
+
+        def problems(self):
+            return [Problem(id="s", prompt="q")]
+
+        @reward
+        def loops(self):
+            deadline = time.monotonic() + 60  # a pathological input: this would run for a minute
+            try:
+                while time.monotonic() < deadline:
+                    sum(range(1000))
+            finally:
+                finished.append(time.monotonic())
+            return 1.0
+
+    env = Looping().bind(tokenizer)
+    started = time.monotonic()
+    rollouts = _rollouts(env, ScriptedSampler(tokenizer, ["x"]), n=4)
+    assert [r.metadata["reward_errors"]["loops"] for r in rollouts] == ["timed out after 0.1s"] * 4
+    _wait_until(lambda: env.verifier_pool.threads == 0)
+    assert len(finished) == 4 and max(finished) - started < 30  # ended by the interruption, not by the loop
+    assert env.verifier_pool.hung == 0 and _threads_named("verifier:Looping") == 0
+    assert env.metrics.as_dict()["envs/Looping/hung_verifier_threads"] == 0
+
+
+def test_hung_verifier_threads_stop_at_their_cap(tokenizer):
+    release, started = threading.Event(), []
+    env = _stuck_env(release, started, hung_cap=3)().bind(tokenizer)
+    try:
+        for _ in range(5):
+            for r in _rollouts(env, ScriptedSampler(tokenizer, ["x"]), n=2):
+                assert r.rewards == {"hangs": 0.0}
+        # 2 serving + 3 replacements ran; the rest waited for a thread and never ran.
+        assert len(started) == 5 and env.verifier_pool.threads == 5
+        assert _threads_named("verifier:Stuck") == 5
+        assert "waiting for a verifier thread (5 stuck in calls that timed out, 3 more than verifier_threads at most)" in r.metadata["reward_errors"]["hangs"]
         assert env.metrics.as_dict()["envs/Stuck/reward_timeouts"] == 10
     finally:
         release.set()

@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 
 from marin_rl.cli import main
@@ -150,6 +152,19 @@ def test_serve_refuses_a_checkpoint_that_is_not_a_local_dir_in_one_line(tmp_path
     assert main(["serve", "--checkpoint", str(tmp_path / "typo/dir"), "--tokenizer", "char"]) == 1
     err = capsys.readouterr().err
     assert "typo/dir" in err and "not a local Hugging Face checkpoint" in err and "Traceback" not in err
+
+
+def test_serve_on_a_port_in_use_is_one_line_exit_2_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")  # never read: the port is checked first
+    monkeypatch.setattr("marin_rl.orchestrator._server_process.load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--checkpoint", str(tmp_path), "--tokenizer", "char", "--server.port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: server.port {port} on 127.0.0.1 is in use (another server?): choose another port, or 0 for a free one" in err
 
 
 def test_the_written_config_holds_no_weight_update_token():

@@ -1,6 +1,8 @@
 """Which failures are retried (transient), which stop the run (permanent), and the gated sampler."""
 
 import asyncio
+import logging
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -8,9 +10,11 @@ import openai
 import pytest
 
 from marin_rl.envs import Completion, Sampler, SamplerError, SamplingParams
-from marin_rl.errors import ConfigError, ProblemSourceError, PromptTooLong
+from marin_rl.config import EnvConfig
+from marin_rl.errors import ConfigError, PermanentError, ProblemSourceError, PromptTooLong
 from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, SeededSampler, derive_seed
-from marin_rl.orchestrator._faults import ServerNotReady, classify
+from marin_rl.orchestrator._faults import RewardFailureWatch, ServerNotReady, classify
+from marin_rl.testing import make_group
 from marin_rl.types import InferenceMetadata
 
 
@@ -99,3 +103,46 @@ def test_seeds_depend_on_the_group_the_rollout_and_the_turn_never_on_the_prompt(
     # Reproducible whatever order the rollouts reach their turns in, and whatever the prompts say.
     assert seeds([9], [1, 0, 0]) == [first, r1_turn2, r0_turn2, r0_turn3]
     assert derive_seed(0, "math", 3, 7) != derive_seed(0, "math", 3, 8) != derive_seed(0, "math", 4, 7)
+
+
+def _group(size: int, failed: int) -> list:
+    group = make_group([0.0] * size)
+    return [replace(r, metadata={"reward_errors": {"judge": "timed out after 30s"}}) if i < failed else r for i, r in enumerate(group)]
+
+
+def test_failed_rewards_past_the_limit_stop_the_run_naming_the_env_and_the_key():
+    watch = RewardFailureWatch("math", max_share=0.5, window=64)
+    for _ in range(3):
+        watch.observe(_group(16, 8))  # 50%: at the limit, not past it
+    with pytest.raises(PermanentError) as stopped:
+        watch.observe(_group(16, 16))  # the window closes at 64: 32 failed of 64, then 40 of 64 here
+    message = str(stopped.value)
+    assert "env 'math': rewards failed for 40 of the last 64 rollouts (62.5%; judge: timed out after 30s)" in message
+    assert "envs[math].max_reward_failures = 0.5" in message
+
+
+def test_failed_rewards_are_judged_over_a_whole_window_not_one_group():
+    watch = RewardFailureWatch("math", max_share=0.5, window=64)
+    watch.observe(_group(16, 16))  # a whole group failed, but 16 rollouts are no window
+    for _ in range(3):
+        watch.observe(_group(16, 0))
+    watch.observe(_group(16, 16))  # the next window starts afresh
+
+
+def test_a_warning_past_one_percent_and_again_when_the_share_doubles(caplog):
+    watch = RewardFailureWatch("math", max_share=0.5, window=64)
+    shares = []
+    with caplog.at_level(logging.WARNING, logger="marin_rl.orchestrator._faults"):
+        for failed in [0, 1, 1, 2, 1, 4, 16]:  # a window of 64 each: 0%, 1.6%, 1.6%, 3.1%, 1.6%, 6.2%, 25%
+            before = len(caplog.records)
+            watch.observe(_group(64, failed))
+            shares.append(len(caplog.records) - before)
+    assert shares == [0, 1, 0, 1, 0, 1, 1]
+    assert caplog.records[0].getMessage() == (
+        "env 'math': rewards failed for 1 of the last 64 rollouts (1.6%; judge: timed out after 30s); they score 0"
+    )
+
+
+def test_max_reward_failures_must_be_a_share():
+    with pytest.raises(ValueError, match=r"envs\[math\]\.max_reward_failures must be in \[0, 1\], got 1.5"):
+        EnvConfig(name="math", type="toy_addition", max_reward_failures=1.5)

@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from marin_rl.orchestrator import InferenceServerConfig
-from marin_rl.orchestrator._server_app import WeightUpdates, build_app
+from marin_rl.orchestrator._server_app import RequestHandler, WeightUpdates, build_app
 from marin_rl.engine import JobResult, PromptScores, Sample
 from marin_rl.orchestrator._server_protocol import truncate_at_stop
 from marin_rl.tokenizer import load_tokenizer
@@ -162,6 +162,67 @@ def test_bad_requests_get_400_with_an_openai_error(kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client_for(worker), **kwargs)
     assert e.value.status_code == 400 and e.value.body["param"] == param and e.value.body["message"]
+    assert worker.jobs == []
+
+
+def test_too_many_sequences_in_one_request_get_400_naming_the_limit_before_any_prompt_is_checked(monkeypatch):
+    worker = ScriptedWorker([ids("a")])
+    config = InferenceServerConfig(max_seqs=4, max_seq_len=64, max_sequences_per_request=32)
+    http = TestClient(build_app(config, TOKENIZER, worker, VOCAB))
+    checked = []
+    monkeypatch.setattr(RequestHandler, "check_prompt_ids", lambda self, ids, param: checked.append(ids) or ids)
+    for prompt in ([[5, 6]] * 9, ["1+1="] * 9):
+        response = http.post("/v1/completions", json={"prompt": prompt, "n": 4, "max_tokens": 1})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "prompt"
+        assert error["message"] == "this request asks for 9 prompt(s) x n=4 = 36 sequences; the server's max_sequences_per_request is 32"
+    assert checked == [] and worker.jobs == []
+    # At the limit it is served.
+    assert http.post("/v1/completions", json={"prompt": [[5, 6]] * 8, "n": 4, "max_tokens": 1}).status_code == 200
+    assert len(worker.jobs) == 8
+
+
+def test_a_flood_of_messages_is_refused_before_it_is_validated_or_rendered(monkeypatch):
+    worker = ScriptedWorker([ids("a")])
+    http = TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB))
+
+    def no_rendering(*args, **kwargs):
+        raise AssertionError("the messages were rendered")
+
+    monkeypatch.setattr(TOKENIZER, "apply_chat_template", no_rendering)
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * CONFIG.max_seq_len})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages"
+    assert f"the request has {CONFIG.max_seq_len} messages: every message renders as one token at least" in error["message"]
+    assert worker.jobs == []
+
+
+def test_a_rendered_chat_too_long_for_the_context_is_refused_before_tokenizing(monkeypatch):
+    worker = ScriptedWorker([ids("a")])
+    http = TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB))
+    rendered = []
+    render = TOKENIZER.apply_chat_template
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the rendered chat was tokenized")
+
+    monkeypatch.setattr(TOKENIZER, "apply_chat_template", lambda *a, **k: rendered.append(render(*a, **k)) or rendered[-1])
+    monkeypatch.setattr(type(TOKENIZER), "__call__", no_tokenizing)
+    # 60 empty messages (fewer than max_seq_len): no content, but 900 characters of role markers rendered.
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 60})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert f"the prompt has {len(rendered[0])} characters" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["Infinity", "NaN", "-Infinity"])
+def test_non_finite_floats_get_400(field, value):
+    worker = ScriptedWorker([ids("a")])
+    http = TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB))
+    body = '{"prompt": "1+1=", "max_tokens": 1, "%s": %s}' % (field, value)
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field and "finite" in response.json()["error"]["message"]
     assert worker.jobs == []
 
 

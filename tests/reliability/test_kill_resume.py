@@ -20,9 +20,9 @@ import pytest
 
 from marin_rl.config import load_config
 from marin_rl.orchestrator import train
-from marin_rl.orchestrator._preflight import holds_run
 from marin_rl.orchestrator._resume import ABANDONED_METRICS_FILE, ABANDONED_ROLLOUTS_DIR
 from marin_rl.storage import list_segments, read_rollouts, read_segment, table_to_rollouts
+from marin_rl.testing import QUICK_RUN, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -124,8 +124,8 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
             before = accepted_and_stored(run_dir, env)
             resumed_at = max([int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*")], default=0)
             with open(tmp_path / f"attempt-{attempt}.log", "w") as log:
-                # Killed before it wrote anything but its config (start-up), there is nothing to resume: a user starts again.
-                process = subprocess.Popen(command + (["--resume"] if holds_run(run_dir) else []), stdout=log, stderr=subprocess.STDOUT)
+                # Always --resume, as a job that may be preempted at any moment runs it: a fresh run starts at step 0.
+                process = subprocess.Popen([*command, "--resume"], stdout=log, stderr=subprocess.STDOUT)
             if attempt == 3:
                 assert process.wait(timeout=600) == 0, (tmp_path / f"attempt-{attempt}.log").read_text()[-3000:]
                 break
@@ -167,3 +167,24 @@ def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path
     kept, reference = fingerprint(read_rollouts(run_dir)), fingerprint(read_rollouts(a))
     assert not kept - reference, "rollouts no uninterrupted run sampled"
     assert sum((reference - kept).values()) <= FLUSH_WINDOW * len(kills)
+
+
+def test_a_run_killed_during_start_up_resumes_from_step_0(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [str(Path(sys.executable).with_name("marin-rl")), "train", "configs/quickstart.yaml", f"--run_dir={run_dir}", "--max_steps=3", *QUICK_RUN]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "config.yaml").exists():  # the run directory is made once the checks pass
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert not list((run_dir / "checkpoints").glob("step-*")) and not lines(run_dir / "metrics.jsonl")
+    resumed = run_command(["train", "configs/quickstart.yaml", f"--run_dir={run_dir}", "--max_steps=3", *QUICK_RUN, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"note: --resume: {run_dir} holds no complete checkpoint yet: the run starts at step 0" in resumed.stdout
+    assert [r["step"] for r in lines(run_dir / "metrics.jsonl")] == [1, 2, 3] and "done at step 3" in resumed.stdout

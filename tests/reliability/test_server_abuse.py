@@ -1,8 +1,11 @@
-"""A `marin-rl serve` process under bad input: huge bodies, huge prompts, 200 concurrent requests, and
-requests generated from its own OpenAPI schema (schemathesis). No 500, and it keeps serving.
+"""A `marin-rl serve` process under bad input: huge bodies, huge prompts, 60k prompts in one request,
+floods of empty messages, non-finite floats, a request at the sequence limit beside small ones, 200
+concurrent requests, and requests generated from its own OpenAPI schema (schemathesis). No 500, and
+it keeps serving.
 
-Memory bound stated and checked: a 200 MB body (declared or chunked) and a prompt just under the
-body limit each grow the server's resident memory by less than `MEMORY_BOUND`.
+Memory bound stated and checked: a 200 MB body (declared or chunked), a prompt just under the body
+limit, 60k prompts and 200k empty messages each grow the server's resident memory by less than
+`MEMORY_BOUND`.
 """
 
 import asyncio
@@ -145,6 +148,68 @@ def test_200_concurrent_requests_are_all_served(server):
     print(f"200 concurrent requests: {time.perf_counter() - start:.1f}s")
     assert [r.status_code for r in responses] == [200] * 200
     assert httpx.get(f"{server.root}/health").json()["status"] == "ok"
+
+
+def test_a_request_for_60k_prompts_x_16_gets_400_without_growing_the_servers_memory(server):
+    body = {"prompt": [[5, 6, 7, 8]] * 60_000, "n": 8, "max_tokens": 4}  # n at the server's max_seqs
+    with PeakMemory(server) as memory:
+        start = time.perf_counter()
+        response = httpx.post(f"{server.base_url}/completions", json=body, timeout=120)
+        elapsed = time.perf_counter() - start
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt"
+    assert "60000 prompt(s) x n=8 = 480000 sequences; the server's max_sequences_per_request is 4096" in error["message"]
+    assert memory.growth < MEMORY_BOUND, f"grew {memory.growth / 2**20:.1f} MiB"
+    print(f"60k prompts x 8: 400 in {elapsed:.3f}s, memory +{memory.growth / 2**20:.1f} MiB")
+
+
+def test_a_flood_of_empty_messages_gets_400_without_growing_the_servers_memory(server):
+    body = {"messages": [{"role": "user", "content": ""}] * 200_000, "max_tokens": 4}  # 6.3 MiB
+    with PeakMemory(server) as memory:
+        start = time.perf_counter()
+        response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+        elapsed = time.perf_counter() - start
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "200000 messages" in response.json()["error"]["message"]
+    assert memory.growth < MEMORY_BOUND, f"grew {memory.growth / 2**20:.1f} MiB"
+    print(f"200k empty messages: 400 in {elapsed:.3f}s, memory +{memory.growth / 2**20:.1f} MiB")
+
+
+def test_temperature_infinity_gets_400(server):
+    body = '{"prompt": "1+1=", "max_tokens": 4, "temperature": Infinity}'
+    response = httpx.post(f"{server.base_url}/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+
+
+def test_a_request_at_the_limit_does_not_hold_back_a_small_one(server):
+    """512 prompts x 8 (4,096 sequences) on a server of 8 slots: the small request, sent after it,
+    holds no slot and so is admitted as soon as one frees; it is answered while the large one runs."""
+
+    async def small(client) -> float:
+        start = time.perf_counter()
+        response = await client.post("/completions", json={"prompt": "3+4=", "max_tokens": 4})
+        assert response.status_code == 200
+        return time.perf_counter() - start
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
+            alone = [await small(client) for _ in range(5)]
+            start = time.perf_counter()
+            body = {"prompt": [[5, 6, 7, 8]] * 512, "n": 8, "max_tokens": 48, "ignore_eos": True}
+            large = asyncio.create_task(client.post("/completions", json=body))
+            await asyncio.sleep(0.3)  # the large request is queued and running
+            beside = [await small(client) for _ in range(5)]
+            large_done_first = large.done()
+            response = await large
+            return alone, beside, large_done_first, response, time.perf_counter() - start
+
+    alone, beside, large_done_first, response, large_s = asyncio.run(go())
+    assert response.status_code == 200 and len(response.json()["choices"]) == 4096
+    assert not large_done_first  # every small request was answered while the large one was still running
+    print(
+        f"small request alone: median {sorted(alone)[2] * 1000:.0f} ms; beside 512 x 8: median "
+        f"{sorted(beside)[2] * 1000:.0f} ms; the large request took {large_s:.1f}s"
+    )
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

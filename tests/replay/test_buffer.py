@@ -129,6 +129,7 @@ def test_metrics_have_exactly_the_design_names():
         make_rollout(env="math", reward=1.0, rewards={"correct": 1.0, "format": 0.5}, completion_len=3),
         make_rollout(env="math", reward=0.0, rewards={"correct": 0.0, "format": 1.0}, completion_len=5, is_truncated=True),
     ]
+    rollouts[1] = dataclasses.replace(rollouts[1], metadata={"reward_errors": {"correct": "timed out after 30s"}})
     buffer.add(rollouts)
     buffer.take({c.key: len(c.lengths) for c in buffer.candidates()})
     metrics = buffer.metrics()
@@ -136,6 +137,7 @@ def test_metrics_have_exactly_the_design_names():
         "rollouts_in_buffer", "tokens_in_buffer", "frac_on_policy", "new_rollouts", "new_tokens",
         "new_generated_tokens", "reward/mean", "reward/std", "frac_truncated", "rewards/correct/mean",
         "rewards/correct/std", "rewards/format/mean", "rewards/format/std", "frac_used_in_batch",
+        "frac_reward_failed",
     ]  # fmt: skip
     for name in design_names:
         assert f"replays/math/{name}" in metrics, name
@@ -144,6 +146,7 @@ def test_metrics_have_exactly_the_design_names():
     assert metrics["replays/math/new_generated_tokens"] == 8
     assert metrics["replays/math/reward/mean"] == 0.5
     assert metrics["replays/math/frac_truncated"] == 0.5
+    assert metrics["replays/math/frac_reward_failed"] == 0.5
     assert metrics["replays/math/rewards/format/mean"] == 0.75
     assert metrics["replays/math/frac_used_in_batch"] == 1.0
     sampled_logprobs = np.concatenate([r.turns[-1].logprobs for r in rollouts])
