@@ -38,6 +38,7 @@ SIZES = {
     "1b": (2048, 8192, 16, 32, 8),
 }
 WINDOW = 5
+STARTUP_AFTER_IMPORTS = ["startup/checks_s", "startup/model_s", "startup/compile_s", "startup/first_batch_s", "startup/first_step_s"]
 """Steps in the moving average of the reward compared with --target."""
 
 
@@ -77,6 +78,7 @@ def summary(
 
 
 def run_marin(args, checkpoint: str | None) -> dict:
+    os.environ["USE_TORCH"] = "0"  # as `marin-rl train` runs: transformers without torch
     import jax
 
     from marin_rl.config import load_config
@@ -121,9 +123,16 @@ def run_marin(args, checkpoint: str | None) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     steady = records[2:] or records
+    later = [r["time/step_s"] for r in records[1:]] or [0.0]
     print(
         f"marin-rl median step split: {statistics.median(r['time/wait_data_s'] for r in steady):.3f} s waiting for rollouts, "
-        f"{statistics.median(r['time/learner_s'] for r in steady):.3f} s learning"
+        f"{statistics.median(r['time/learner_s'] for r in steady):.3f} s learning; launch to the end of step 1 "
+        f"{records[0]['time'] - LAUNCHED:.1f} s (checks, model, compile, first batch, first step: "
+        f"{', '.join(f'{records[0][k]:.1f}' for k in STARTUP_AFTER_IMPORTS)} s; compilations {records[0]['compile/count']:.0f}, "
+        f"{records[0]['compile/cache_hits']:.0f} from the cache, seconds traced / lowered / in XLA "
+        f"{records[0]['compile/trace_seconds']:.1f} / {records[0]['compile/lower_seconds']:.1f} / {records[0]['compile/seconds']:.1f}); "
+        f"after step 1: {records[-1]['compile/count'] - records[0]['compile/count']:.0f} compilations, longest step "
+        f"{max(later):.2f} s = {max(later) / statistics.median(later):.1f}x the median"
     )
     return summary(
         "marin-rl",
@@ -288,6 +297,7 @@ def trl_side(args, side: str) -> str:
         passed.append(arg)
     command = [args.trl_python, __file__, f"--side={side}", *passed, *([f"--checkpoint={args.checkpoint}"] if args.checkpoint else [])]
     env = {**os.environ, **({"PYTHONPATH": os.environ["TRL_PYTHONPATH"]} if "TRL_PYTHONPATH" in os.environ else {})}
+    env.pop("USE_TORCH", None)
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         print(out.stdout[-3000:], out.stderr[-5000:])
@@ -350,6 +360,10 @@ def main() -> None:
         f"gradient checkpointing {args.gradient_checkpointing}, initial weights: {args.init}"
         + (f", ours with {' '.join(args.marin_override)}" if args.marin_override else "")
     )
+    print(f"seconds from launch to a mean reward of {args.target} over {WINDOW} steps:")
+    for r in results:
+        launch = r["seconds_from_launch_to_target"]
+        print(f"  {r['side']}: " + (f"{launch:.1f} s (step {r['steps_to_target']})" if launch else "not reached"))
     for r in results:
         reached = (
             f"step {r['steps_to_target']}, {r['seconds_to_target']:.1f} s of training, {r['seconds_from_launch_to_target']:.1f} s from launch"

@@ -26,6 +26,7 @@ _LAZY = {
     "exact_token_logprobs": "_exact",
     "row_windows": "_exact",
     "attention_scale": "_forward",
+    "truncates": "_sampling",
 }
 
 __all__ = ["DeviceLock", "EngineConfig", "ExactLayout", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]

@@ -45,11 +45,13 @@ class EngineConfig:
     precompile_prompt_lens: tuple[int, ...] = ()
     """At start, compile prefill for every number of prompts of these lengths (their power-of-two
     buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
-    waits on a compilation (top-p/top-k sampling has variants of its own, compiled on first use).
-    Empty: each shape compiles on first use."""
+    waits on a compilation. Empty: each shape compiles on first use; `marin-rl train` derives them from
+    its envs' prompts."""
     precompile_decode: bool = True
     """With `precompile_prompt_lens`, compile the decode shapes too. Off where every request asks for one
     token (the first comes from the prefill, so nothing decodes): about 5 s less start-up in the quickstart."""
+    precompile_truncated: bool = False
+    """With `precompile_prompt_lens`, compile the variants of top-p/top-k sampling too."""
     decode_steps: int = 16
     """Decode steps per device call before the host collects finished sequences and admits new ones."""
     compute_dtype: str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import textwrap
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
+    # transformers imports torch when it is installed (2 s of start-up); nothing here uses it.
+    os.environ.setdefault("USE_TORCH", "0")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -149,3 +149,10 @@ def run_command(args: list[str], cwd: str | os.PathLike | None = None, timeout: 
     script = Path(sys.executable).with_name("marin-rl")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def compilations_after_first_step(records: list[dict]) -> dict[int, float]:
+    """Step -> compilations during it, for the steps after the first that compiled (metrics.jsonl
+    records, in order; `compile/count` is the run's total so far)."""
+    counts = [(r["step"], r["compile/count"]) for r in records]
+    return {step: count - before for (_, before), (step, count) in zip(counts, counts[1:]) if count != before}

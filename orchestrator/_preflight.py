@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from marin_rl.config import EnvConfig, TrainConfig
 from marin_rl.distributed import PlacementConfig
@@ -34,6 +35,9 @@ class PromptLengths:
     measured: int
     max_tokens: int
     """The env's resolved `sampling.max_tokens` (per assistant turn)."""
+    max_turns: int = 1
+    truncates: bool = False
+    """Whether its sampling cuts the distribution (top-p): the engine's calls have variants for that."""
 
 
 @dataclass
@@ -47,10 +51,13 @@ class CheckedRun:
     """The checkpoint a resumed run starts from."""
     notes: list[str] = field(default_factory=list)
     """Things that work but are likely not what was meant (printed at start)."""
+    seconds: float = 0.0
+    """How long the checks took (a phase of start-up)."""
 
 
 def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     """Raise `ConfigError` / `RunDirError` for anything that would fail after start-up."""
+    started = time.perf_counter()
     if config.placement != PlacementConfig():
         from marin_rl.distributed import Placement
 
@@ -70,7 +77,7 @@ def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
         key = f"envs.{index}"
         env = _build_env(env_config, key, tokenizer)
         settings = _resolve(env, env_config, key, config.batcher.max_seq_len)
-        lengths = _measure_prompts(env, key, settings.sampling.max_tokens, config)
+        lengths = _measure_prompts(env, key, settings, config)
         checked.envs[env_config.name] = env
         checked.prompts[env_config.name] = lengths
         checked.notes += _check_rows(env_config, key, lengths, config)
@@ -80,6 +87,7 @@ def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
             f"server.precompile_decode is off but {', '.join(decoding)} asks for more than one token: "
             "the engine compiles its decode shapes during the first steps"
         )
+    checked.seconds = time.perf_counter() - started
     return checked
 
 
@@ -185,7 +193,8 @@ def _resolve(env, env_config: EnvConfig, key: str, max_seq_len: int):
     return settings
 
 
-def _measure_prompts(env, key: str, max_tokens: int, config: TrainConfig) -> PromptLengths:
+def _measure_prompts(env, key: str, settings, config: TrainConfig) -> PromptLengths:
+    from marin_rl.engine import truncates
     from marin_rl.envs import Transcript
 
     try:
@@ -208,7 +217,37 @@ def _measure_prompts(env, key: str, max_tokens: int, config: TrainConfig) -> Pro
             f"batcher.max_seq_len={row} leaves no room to sample; raise batcher.max_seq_len (with model.seq_len "
             "and server.max_seq_len) or shorten the prompt"
         )
-    return PromptLengths(min(lengths.values()), lengths[longest], longest, len(lengths), max_tokens)
+    sampling = settings.sampling
+    return PromptLengths(
+        min(lengths.values()),
+        lengths[longest],
+        longest,
+        len(lengths),
+        sampling.max_tokens,
+        settings.max_turns,
+        truncates(sampling.temperature, sampling.top_p, 0),
+    )
+
+
+def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int) -> dict[str, Any]:
+    """What an embedded engine compiles at start so that no step waits on a compilation (the
+    `EngineConfig.precompile_*` fields): prefill for prompts from the shortest measured to twice the
+    longest (problems not measured may be longer), and up to `max_seq_len` for multi-turn envs (a later
+    turn's prompt holds the conversation so far); decode where an env asks for more than one token;
+    top-p's variants where an env samples with it."""
+    lens = set()
+    for p in prompts.values():
+        longest = max_seq_len - 1 if p.max_turns > 1 else min(2 * p.longest, max_seq_len - 1)
+        length = p.shortest
+        while length <= longest:
+            lens.add(length)
+            length *= 2
+        lens.add(longest)
+    return {
+        "precompile_prompt_lens": tuple(sorted(lens)),
+        "precompile_decode": any(p.max_tokens > 1 for p in prompts.values()),
+        "precompile_truncated": any(p.truncates for p in prompts.values()),
+    }
 
 
 def _check_rows(env_config: EnvConfig, key: str, lengths: PromptLengths, config: TrainConfig) -> list[str]:

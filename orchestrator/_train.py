@@ -22,12 +22,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from marin_rl.compiles import CompileCounter, enable_compilation_cache
 from marin_rl.config import TrainConfig, dump_config
 from marin_rl.errors import ConfigError, DiskFull, PermanentError
 from marin_rl.orchestrator._endpoints import Endpoint
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
+from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, engine_shapes, holds_run
 from marin_rl.orchestrator._resume import set_aside_abandoned
+from marin_rl.orchestrator._startup import StartupClock
 from marin_rl.orchestrator._workers import EnvWorkers, worker_specs
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,13 @@ def train(
 
 
 def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Event, checked: CheckedRun) -> TrainResult:
+    with CompileCounter() as compiles:  # every thread's compilations, start-up's included
+        return _run(config, run_dir, resume, stop, checked, compiles)
+
+
+def _run(
+    config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Event, checked: CheckedRun, compiles: CompileCounter
+) -> TrainResult:
     # Heavy imports after the config is known to be good.
     import jax
 
@@ -91,9 +100,11 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     from marin_rl.rl_example import RlExample
 
     # --- set up
+    clock = StartupClock(checked.seconds)
+    enable_compilation_cache(config.compilation_cache)
     tokenizer = checked.tokenizer
     placement = Placement.of(config)
-    server_config = embedded_server_config(config)
+    server_config = embedded_server_config(config, checked)
     learner = Learner(
         config.learner,
         config.model,
@@ -109,6 +120,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
             run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
         set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
         logger.info("resuming at policy version %d", learner.policy_version)
+    clock.mark("model")
     # Every batch has this shape: the learner's step compiles now, beside the engines' start-up (XLA
     # compiles without the GIL), so that neither start-up nor the first step waits on it alone.
     compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marin-rl-compile")
@@ -155,6 +167,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     batcher = Batcher(buffers, config.fractions, config.batcher)
     batcher.credit.update(run_state.get("batcher_credit", {}))
     logger.info("learner: step compiled in %.1fs", step_compiled.result())
+    clock.mark("compile")
     # Servers in other processes are sampled from only while they serve this run's weights (their
     # transport says).
     timeout = config.server.request_timeout_s
@@ -207,6 +220,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     step = start_step
     stopped_early = False
     ended_by: BaseException | None = None
+    compiled = 0  # compilations counted by the last step
     # What start-up made (modules, compiled functions, the model) lives as long as the run: frozen out of
     # the collector's sight, full collections stop pausing every thread for 0.3-0.4 s every ~20 quickstart
     # steps. Unfrozen at the end, so that runs in one process leave nothing behind.
@@ -232,6 +246,8 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                 except BatchCancelled:
                     stopped_early = True
                     break
+                if step == start_step:
+                    clock.mark("first batch")
                 if config.deterministic:
                     drawn = workers.positions()
                     for buffer in buffers.values():
@@ -281,8 +297,19 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                         "throughput/generated_tokens_per_s": generated / (t3 - t0),
                     }
                 )
+                counted = compiles.metrics()
+                metrics.update(counted)
+                if step > start_step + 1 and counted["compile/count"] > compiled:
+                    names = ", ".join(f"{name} ({seconds:.1f} s)" for name, seconds in compiles.compiled[compiled : counted["compile/count"]])
+                    logger.warning("step %d compiled %s: a shape not compiled at start", step, names)
+                compiled = counted["compile/count"]
+                if step == start_step + 1:
+                    clock.mark("first step")
+                    metrics.update(clock.metrics())
                 metrics_log.log(step, metrics)
                 progress.update(step, metrics)
+                if step == start_step + 1:
+                    progress.console.print(clock.line(step), highlight=False)
 
                 # --- persist
                 with device_lock:
@@ -323,11 +350,15 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
     return TrainResult(run_dir, learner.policy_version, stopped_early)
 
 
-def embedded_server_config(config: TrainConfig):
-    """The embedded engines' settings: with exact numerics, the exact passes in the learner's compute dtype
-    (the bits of both are equal only then)."""
+def embedded_server_config(config: TrainConfig, checked: CheckedRun):
+    """The embedded engines' settings: the shapes its envs need compiled at start (unless
+    `server.precompile_prompt_lens` names them), and with exact numerics, the exact passes in the
+    learner's compute dtype (the bits of both are equal only then)."""
+    server = config.server
+    if not server.precompile_prompt_lens:
+        server = dataclasses.replace(server, **engine_shapes(checked.prompts, server.max_seq_len))
     if not config.exact:
-        return config.server
+        return server
     from marin_rl.learner import compute_dtype
 
     dtype = str(compute_dtype(config.model))
@@ -337,7 +368,7 @@ def embedded_server_config(config: TrainConfig):
             f"{dtype} (model.compute_dtype); the exact passes need one dtype: set server.compute_dtype to {dtype!r} "
             "or leave it unset"
         )
-    return dataclasses.replace(config.server, exact_numerics=True, compute_dtype=dtype)
+    return dataclasses.replace(server, exact_numerics=True, compute_dtype=dtype)
 
 
 def _run_all(actions, ended_by: BaseException | None) -> list[Exception]:

@@ -7,6 +7,7 @@ import pytest
 from marin_rl.cli import main
 from marin_rl.config import load_config
 from marin_rl.orchestrator import train
+from marin_rl.testing import compilations_after_first_step
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +63,4 @@ def test_multienv_trains_20_steps_without_a_server_or_worker_error(tmp_path):
         for env in config.envs:
             assert record[f"workers/{env.name}/errors"] == 0, (record["step"], env.name)
     assert records[-1]["server/completed"] > 0
+    assert compilations_after_first_step(records) == {}  # the engine's shapes were derived from the envs

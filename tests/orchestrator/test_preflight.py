@@ -10,7 +10,8 @@ from marin_rl.cli import main
 from marin_rl.config import load_config
 from marin_rl.errors import ConfigError
 from marin_rl.orchestrator import _train
-from marin_rl.orchestrator._preflight import check_run
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, bucket
+from marin_rl.orchestrator._preflight import check_run, engine_shapes
 
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -115,6 +116,21 @@ def test_resume_says_which_checkpoint_it_starts_from(tmp_path, monkeypatch, caps
 
 
 def test_decode_shapes_left_out_of_the_precompile_are_noted_when_an_env_decodes(tmp_path):
-    config = load_config(QUICKSTART, [f"--run_dir={tmp_path / 'run'}", "--envs.addition.sampling.max_tokens=4"])
+    shapes_by_hand = ["--server.precompile_prompt_lens=[8]", "--server.precompile_decode=false"]
+    config = load_config(QUICKSTART, [f"--run_dir={tmp_path / 'run'}", "--envs.addition.sampling.max_tokens=4", *shapes_by_hand])
     notes = check_run(config, resume=False).notes
     assert [n for n in notes if n.startswith("server.precompile_decode is off but addition asks for more than one token")]
+
+
+def test_engine_shapes_cover_the_envs_prompts_turns_decoding_and_top_p(tmp_path):
+    def shapes(*overrides, config=QUICKSTART):
+        config = load_config(config, [f"--run_dir={tmp_path / 'run'}", *overrides])
+        return engine_shapes(check_run(config, resume=False).prompts, config.server.max_seq_len)
+
+    # The quickstart: 7-token prompts, one-token answers: up to twice the longest prompt, no decode.
+    assert shapes() == {"precompile_prompt_lens": (7, 14), "precompile_decode": False, "precompile_truncated": False}
+    decoding = shapes("--envs.addition.sampling.max_tokens=4", "--envs.addition.sampling.top_p=0.9")
+    assert decoding["precompile_decode"] and decoding["precompile_truncated"]
+    # A later turn's prompt holds the conversation so far: every length up to the row.
+    multi_turn = shapes(config="configs/multiturn.yaml")["precompile_prompt_lens"]
+    assert multi_turn[-1] == 63 and {bucket(n, MIN_PREFILL_TIME) for n in multi_turn} == {16, 32, 64}

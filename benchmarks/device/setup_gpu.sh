@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Source from the project root on the offline GPU machine (carry .whl and .ray, made by
+# shared/device/prepare.sh):  source benchmarks/device/setup_gpu.sh
+# Our side: the project's wheels in /tmp/site, the project itself as the `marin_rl` namespace in /tmp/mr
+# (as an install lays it out). TRL's side (TRL_PYTHONPATH, for bench_vs_trl.py): the image's torch,
+# transformers and accelerate, with trl and datasets from .whl in /tmp/trl.
+set -e
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+tar xzf .ray/ray312.tgz -C /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
+  .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
+rm -rf /tmp/mr && mkdir -p /tmp/mr && cp -r marin_rl /tmp/mr/
+for part in envs orchestrator replay learner broadcaster engine distributed; do ln -s "$PWD/$part" "/tmp/mr/marin_rl/$part"; done
+export PYTHONPATH=/tmp/site:/tmp/mr TRL_PYTHONPATH=/tmp/trl PYTHONUNBUFFERED=1
+set +e

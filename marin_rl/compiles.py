@@ -1,0 +1,104 @@
+"""XLA compilations counted from JAX's monitoring events, and the persistent compilation cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Recorded around every backend compilation, a persistent-cache hit included (it still traces and lowers).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileCounter:
+    """Counts the compilations of this process while entered (every thread's): how many, their seconds
+    (XLA's, and the tracing and lowering to MLIR before it, which hold the interpreter lock),
+    persistent-cache hits among them, and which functions (`compiled`, in order)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+        self.seconds = 0.0
+        self.trace_seconds = 0.0
+        self.lower_seconds = 0.0
+        self.cache_hits = 0
+        self.compiled: list[tuple[str, float]] = []
+
+    def _on_duration(self, event: str, seconds: float, **kwargs) -> None:
+        with self._lock:
+            if event == BACKEND_COMPILE_EVENT:
+                self.count += 1
+                self.seconds += seconds
+                self.compiled.append((str(kwargs.get("fun_name", "?")), seconds))
+            elif event == TRACE_EVENT:
+                self.trace_seconds += seconds
+            elif event == LOWER_EVENT:
+                self.lower_seconds += seconds
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == CACHE_HIT_EVENT:
+            with self._lock:
+                self.cache_hits += 1
+
+    def __enter__(self) -> CompileCounter:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+        jax.monitoring.unregister_event_listener(self._on_event)
+
+    def metrics(self) -> dict[str, float]:
+        """Totals since entered: `compile/count`, `compile/seconds` (XLA), `compile/trace_seconds`,
+        `compile/lower_seconds`, `compile/cache_hits`."""
+        with self._lock:
+            return {
+                "compile/count": self.count,
+                "compile/seconds": self.seconds,
+                "compile/trace_seconds": self.trace_seconds,
+                "compile/lower_seconds": self.lower_seconds,
+                "compile/cache_hits": self.cache_hits,
+            }
+
+
+def default_cache_dir() -> Path:
+    """One per user: `$XDG_CACHE_HOME/marin-rl/jax` (`~/.cache/marin-rl/jax`)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "marin-rl" / "jax"
+
+
+def enable_compilation_cache(setting: str) -> Path | None:
+    """Point JAX's persistent compilation cache at `setting` ("auto": `default_cache_dir()`, "off": none).
+
+    JAX keys each entry by the program, the compile options, the device and the JAX/XLA versions, and
+    writes entries atomically, so runs and versions can share one directory. Every compilation is kept,
+    small ones too: a run's start-up is many of them."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if setting == "off":
+        return None
+    path = default_cache_dir() if setting == "auto" else Path(setting).expanduser()
+    if jax.config.jax_compilation_cache_dir == str(path):
+        return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home: run without it
+        logger.warning("compilation cache: cannot create %s (%s); compiling without it", path, e.strerror)
+        return None
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.set_cache_dir(str(path))
+    compilation_cache.reset_cache()  # JAX decides once whether to use a cache: decide again
+    return path

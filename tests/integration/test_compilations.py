@@ -1,0 +1,51 @@
+"""Nothing compiles after step 1: the engine's shapes are derived from the envs and compiled at start
+(the quickstart and the multi-env example are checked where their integration tests run)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from marin_rl.config import load_config
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, bucket
+from marin_rl.orchestrator import train
+from marin_rl.storage import read_rollouts
+from marin_rl.testing import compilations_after_first_step
+
+pytestmark = pytest.mark.slow
+
+RAGGED_ENV = Path(__file__).with_name("ragged_env.py")
+
+
+def test_a_multi_turn_env_with_ragged_prompts_compiles_nothing_after_step_1(tmp_path):
+    run_dir = tmp_path / "run"
+    config = {
+        "run_dir": str(run_dir),
+        "max_steps": 20,
+        "tokenizer": "char",
+        "checkpoint_every": 10,
+        "model": {"hidden_dim": 32, "intermediate_dim": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "seq_len": 64},
+        "batcher": {"total_token_budget": 1024, "max_seq_len": 64, "max_wait_s": 20},
+        "server": {"max_seqs": 8, "max_seq_len": 64},
+        "envs": [
+            {"name": "ragged", "type": f"{RAGGED_ENV}:RaggedEcho", "replicas": 4, "group_size": 4, "algorithm": {"type": "grpo"}}
+        ],
+    }
+    (tmp_path / "ragged.yaml").write_text(yaml.safe_dump(config))
+    train(load_config(tmp_path / "ragged.yaml"))
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[0]["compile/count"] > 0  # start-up's compilations are counted
+    assert compilations_after_first_step(records) == {}
+    # The run met what the derivation must cover: prompts of several prefill shapes, second turns
+    # (whose prompts hold the first), answers that decode.
+    rollouts = read_rollouts(run_dir, "ragged")
+    prompt_lens = [len(r.turns[0].token_ids) for r in rollouts]
+    second_prompt_lens = [sum(len(t.token_ids) for t in r.turns[:3]) for r in rollouts if len(r.turns) >= 4]
+    buckets = {bucket(n, MIN_PREFILL_TIME) for n in prompt_lens + second_prompt_lens}
+    assert len(buckets) >= 3, buckets
+    assert np.mean([len(r.turns) >= 4 for r in rollouts]) > 0.5
+    assert max(len(t.token_ids) for r in rollouts for t in r.turns if t.role == "assistant") > 1
