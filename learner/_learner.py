@@ -126,7 +126,12 @@ class Learner:
         return (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh, self.exact)
 
     def _place(self, tree):
-        return tree if self.mesh is None else self.mesh.place_params(tree)
+        """On the learner's devices and committed there, as its step's outputs are: a state placed
+        otherwise (a Hugging Face checkpoint's, a restored one's) made the step compile again at step 2."""
+        if self.mesh is not None:
+            return self.mesh.place_params(tree)
+        device = jax.devices()[0]
+        return jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, tree)
 
     def _check_example(self, example: RlExample) -> None:
         positions = example.input_ids.resolve_axis(POS_AXIS).size

@@ -20,8 +20,10 @@ from marin_rl.learner import (
     kl_estimate,
     loss_and_gradients,
     per_token_logprobs,
+    save_hf_model,
     scored_tokens,
 )
+from marin_rl.compiles import CompileCounter
 from marin_rl.rl_example import RlExample
 
 logprobs = eqx.filter_jit(per_token_logprobs)
@@ -177,23 +179,25 @@ def test_bad_shapes_are_rejected(tmp_path, tokenizer, tiny_model_config, packer)
         learner.step(RlExample.from_packed(packer([[8], [8], [8]], 16)))
 
 
-def test_compile_step_leaves_the_first_step_nothing_to_compile(tmp_path, tokenizer, tiny_model_config, packer, example):
-    learner = make_learner(tmp_path, tokenizer, tiny_model_config)
+@pytest.mark.parametrize("start", ["fresh", "hf_checkpoint", "restored"])
+def test_compile_step_leaves_no_step_anything_to_compile(start, tmp_path, tokenizer, tiny_model_config, packer, example):
+    """Whatever the state starts from, its placement is the step's outputs': a Hugging Face checkpoint's
+    arrays (loaded on a mesh) once made step 2 compile again."""
+    if start == "hf_checkpoint":
+        checkpoint = save_hf_model(build_model(tiny_model_config, len(tokenizer), key=jax.random.key(1)), tokenizer, tmp_path / "hf")
+        tiny_model_config = dataclasses.replace(tiny_model_config, hf_checkpoint=str(checkpoint))
+    learner = make_learner(tmp_path / "run", tokenizer, tiny_model_config)
+    if start == "restored":
+        learner.save_checkpoint({})
+        learner = make_learner(tmp_path / "run", tokenizer, tiny_model_config)
+        learner.restore_latest()
     before = jax.tree.leaves(learner.model)
     learner.compile_step(RlExample.from_packed(packer([[4], [30], [2, 2], [9]], 32, seed=3)))  # other rollouts, same shape
     assert learner.policy_version == 0
     for a, b in zip(before, jax.tree.leaves(learner.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # compiled, not run
 
-    compiles = []
-
-    def on_event(name, _seconds, **_):
-        if "backend_compile" in name:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        learner.step(example)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
-    assert compiles == [] and learner.policy_version == 1
+    with CompileCounter() as compiles:
+        for _ in range(3):
+            learner.step(example)
+    assert compiles.compiled == [] and learner.policy_version == 3
