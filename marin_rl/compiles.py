@@ -14,6 +14,9 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_MAX_BYTES = 16 * 2**30
+"""The persistent cache's size, least recently used entries evicted past it (a 0.5B model's programs
+on a GPU are tens of MB each)."""
 
 
 class CompileCounter:
@@ -81,9 +84,10 @@ def default_cache_dir() -> Path:
 def enable_compilation_cache(setting: str) -> Path | None:
     """Point JAX's persistent compilation cache at `setting` ("auto": `default_cache_dir()`, "off": none).
 
-    JAX keys each entry by the program, the compile options, the device and the JAX/XLA versions, and
-    writes entries atomically, so runs and versions can share one directory. Every compilation is kept,
-    small ones too: a run's start-up is many of them."""
+    JAX keys each entry by the program, the compile options, the device and the JAX/XLA versions, so
+    runs and versions can share one directory; with a size bound it reads and writes under a file lock
+    (concurrent runs never see a partial entry) and an unreadable entry is compiled again. Every
+    compilation is kept, small ones too: a run's start-up is many of them."""
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -99,6 +103,7 @@ def enable_compilation_cache(setting: str) -> Path | None:
         return None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     compilation_cache.set_cache_dir(str(path))
     compilation_cache.reset_cache()  # JAX decides once whether to use a cache: decide again
     return path
