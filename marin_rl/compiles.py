@@ -82,7 +82,8 @@ def default_cache_dir() -> Path:
 
 
 def enable_compilation_cache(setting: str) -> Path | None:
-    """Point JAX's persistent compilation cache at `setting` ("auto": `default_cache_dir()`, "off": none).
+    """Point JAX's persistent compilation cache at `setting` ("auto": `default_cache_dir()`, "off": none,
+    else a directory).
 
     JAX keys each entry by the program, the compile options, the device and the JAX/XLA versions, so
     runs and versions can share one directory; with a size bound it reads and writes under a file lock

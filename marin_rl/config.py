@@ -176,11 +176,11 @@ class TrainConfig:
     """The embedded engines sample and the learner scores with the exact passes: a sequence's log-probs
     are the same bits whatever is batched with it, and the learner's equal the engine's at the same
     weights (mismatch 0, docs/algorithms.md). Slower. None: on when `deterministic` is."""
-    compilation_cache: str = "auto"
+    compilation_cache: str | bool = "auto"
     """JAX's persistent compilation cache: a second start of a run (any run of the same shapes) loads
-    what the first compiled. `auto`: one per user, `$XDG_CACHE_HOME/marin-rl/jax` (~/.cache/...);
-    a directory; or `off`. Safe to share between runs and versions (entries are keyed by program,
-    device and versions)."""
+    what the first compiled. `auto` (or true): one per user, `$XDG_CACHE_HOME/marin-rl/jax`
+    (~/.cache/...); a directory; or `off` (YAML's false). Safe to share between runs and versions
+    (entries are keyed by program, device and versions)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Optional Weights & Biases logging."""
 
@@ -207,7 +207,10 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.eval_every is not None and self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1 or null, got {self.eval_every}")
-        if not self.compilation_cache:
+        # YAML reads `off` as false (`on` as true), which reaches here as a bool or its name.
+        named = {False: "off", "False": "off", True: "auto", "True": "auto"}.get(self.compilation_cache, self.compilation_cache)
+        object.__setattr__(self, "compilation_cache", named)
+        if self.compilation_cache == "":
             raise ValueError("compilation_cache must be auto, off or a directory, got an empty string")
         if self.max_buffered_batches <= 0:
             raise ValueError(f"max_buffered_batches must be > 0, got {self.max_buffered_batches}")

@@ -12,11 +12,33 @@ from marin_rl.config import load_config
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, bucket
 from marin_rl.orchestrator import train
 from marin_rl.storage import read_rollouts
-from marin_rl.testing import compilations_after_first_step
+from marin_rl.testing import QUICK_RUN, compilations_after_first_step, run_command
 
 pytestmark = pytest.mark.slow
 
 RAGGED_ENV = Path(__file__).with_name("ragged_env.py")
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+
+
+def test_a_second_start_loads_every_program_from_the_compilation_cache(tmp_path):
+    cache = tmp_path / "cache"
+
+    def first_step(name: str, cache_setting: str) -> dict:
+        args = ["train", QUICKSTART, f"--run_dir={tmp_path / name}", "--max_steps=2", f"--compilation_cache={cache_setting}", *QUICK_RUN]
+        done = run_command(args)
+        assert done.returncode == 0, done.stderr
+        assert "start-up: " in done.stdout  # the line that splits it by phase
+        return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+
+    cold = first_step("cold", str(cache))
+    assert cold["compile/count"] > 0 and cold["compile/cache_hits"] < cold["compile/count"]
+    entries = sorted(cache.iterdir())
+    assert entries
+    warm = first_step("warm", str(cache))
+    assert warm["compile/cache_hits"] == warm["compile/count"] == cold["compile/count"]
+    off = first_step("off", "off")
+    assert off["compile/cache_hits"] == 0 and sorted(cache.iterdir()) == entries
+    assert {"startup/imports_s", "startup/model_s", "startup/compile_s", "startup/first_batch_s"} <= set(warm)
 
 
 def test_a_multi_turn_env_with_ragged_prompts_compiles_nothing_after_step_1(tmp_path):

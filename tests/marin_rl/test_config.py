@@ -34,6 +34,13 @@ def _dump(config):
     return f.name
 
 
+@pytest.mark.parametrize(("value", "setting"), [("off", "off"), ("false", "off"), ("auto", "auto"), ("true", "auto"), ("/tmp/jax", "/tmp/jax")])
+def test_compilation_cache_reads_yamls_off_and_on(tmp_path, value, setting):
+    (tmp_path / "c.yaml").write_text(open(QUICKSTART).read() + f"\ncompilation_cache: {value}\n")
+    assert load_config(tmp_path / "c.yaml").compilation_cache == setting
+    assert load_config(QUICKSTART, [f"--compilation_cache={value}"]).compilation_cache == setting
+
+
 def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
     path = write(tmp_path, "envs: [{name: a, type: toy_addition}]\nlearner: {optimizer: {lr: 1.0e-3}}\n")
     with pytest.raises(ConfigError, match=r"learner.optimizer.lr: unknown key \(did you mean 'learning_rate'\?\); allowed: \['learning_rate'"):
