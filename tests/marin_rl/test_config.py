@@ -1,4 +1,5 @@
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def _dump(config):
 
 @pytest.mark.parametrize(("value", "setting"), [("off", "off"), ("false", "off"), ("auto", "auto"), ("true", "auto"), ("/tmp/jax", "/tmp/jax")])
 def test_compilation_cache_reads_yamls_off_and_on(tmp_path, value, setting):
-    (tmp_path / "c.yaml").write_text(open(QUICKSTART).read() + f"\ncompilation_cache: {value}\n")
+    (tmp_path / "c.yaml").write_text(Path(QUICKSTART).read_text() + f"\ncompilation_cache: {value}\n")
     assert load_config(tmp_path / "c.yaml").compilation_cache == setting
     assert load_config(QUICKSTART, [f"--compilation_cache={value}"]).compilation_cache == setting
 
