@@ -3,8 +3,7 @@
 The configs import eagerly; the runtime (JAX, Ray) loads on first use.
 """
 
-import importlib
-
+from marin_rl._lazy import lazy_attributes
 from marin_rl.distributed._config import PlacementConfig, RayConfig
 
 _LAZY = {
@@ -22,7 +21,4 @@ _LAZY = {
 __all__ = ["PlacementConfig", "RayConfig", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"marin_rl.distributed.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'marin_rl.distributed' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -9,8 +9,7 @@ One file per concept: `_config` (sizes), `_request` (jobs and results), `_pages`
 The config imports eagerly; the rest (JAX, Levanter) loads on first use.
 """
 
-import importlib
-
+from marin_rl._lazy import lazy_attributes
 from marin_rl.engine._config import EngineConfig, ExactLayout
 from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sample
@@ -32,7 +31,4 @@ _LAZY = {
 __all__ = ["DeviceLock", "EngineConfig", "ExactLayout", "GenerationJob", "JobResult", "PromptScores", "Sample", *_LAZY]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"marin_rl.engine.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'marin_rl.engine' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -4,9 +4,8 @@ Configs import eagerly (only draccus); the rest loads on first use, so parsing a
 Levanter (10-20 s).
 """
 
-import importlib
-
 import marin_rl._compat  # noqa: F401  (before any haliax call)
+from marin_rl._lazy import lazy_attributes
 from marin_rl.learner._config import (
     Aggregation,
     ConstantSchedule,
@@ -58,7 +57,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"marin_rl.learner.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'marin_rl.learner' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
