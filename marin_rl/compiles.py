@@ -75,6 +75,10 @@ class CompileCounter:
             }
 
 
+CACHE_ENV = "MARIN_RL_COMPILATION_CACHE"
+"""What `compilation_cache: auto` means where it is set: a directory, or `off`."""
+
+
 def default_cache_dir() -> Path:
     """One per user: `$XDG_CACHE_HOME/marin-rl/jax` (`~/.cache/marin-rl/jax`)."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -82,8 +86,8 @@ def default_cache_dir() -> Path:
 
 
 def enable_compilation_cache(setting: str) -> Path | None:
-    """Point JAX's persistent compilation cache at `setting` ("auto": `default_cache_dir()`, "off": none,
-    else a directory).
+    """Point JAX's persistent compilation cache at `setting` ("auto": `$MARIN_RL_COMPILATION_CACHE` if
+    set, else `default_cache_dir()`; "off": none; else a directory).
 
     JAX keys each entry by the program, the compile options, the device and the JAX/XLA versions, so
     runs and versions can share one directory; with a size bound it reads and writes under a file lock
@@ -92,9 +96,11 @@ def enable_compilation_cache(setting: str) -> Path | None:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    if setting == "auto":
+        setting = os.environ.get(CACHE_ENV) or str(default_cache_dir())
     if setting == "off":
         return None
-    path = default_cache_dir() if setting == "auto" else Path(setting).expanduser()
+    path = Path(setting).expanduser()
     if jax.config.jax_compilation_cache_dir == str(path):
         return path
     try:

@@ -178,9 +178,9 @@ class TrainConfig:
     weights (mismatch 0, docs/algorithms.md). Slower. None: on when `deterministic` is."""
     compilation_cache: str | bool = "auto"
     """JAX's persistent compilation cache: a second start of a run (any run of the same shapes) loads
-    what the first compiled. `auto` (or true): one per user, `$XDG_CACHE_HOME/marin-rl/jax`
-    (~/.cache/...); a directory; or `off` (YAML's false). Safe to share between runs and versions
-    (entries are keyed by program, device and versions)."""
+    what the first compiled. `auto` (or true): `$MARIN_RL_COMPILATION_CACHE` where set, else one per
+    user, `$XDG_CACHE_HOME/marin-rl/jax` (~/.cache/...); a directory; or `off` (YAML's false). Safe to
+    share between runs and versions (entries are keyed by program, device and versions)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Optional Weights & Biases logging."""
 

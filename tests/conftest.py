@@ -9,6 +9,11 @@ import pytest
 
 VERIFIERS_ENVS = Path(__file__).parent / "verifiers_envs"
 
+# No persistent compilation cache for runs in the test process (the tests of the cache name its directory):
+# pytest ran hundreds of tests in one process, and with the cache on since its first in-process run the
+# learner's tests crashed it with a segfault (twice, in the same tests; not reproduced in shorter processes).
+os.environ.setdefault("MARIN_RL_COMPILATION_CACHE", "off")
+
 
 @pytest.fixture
 def serve_asgi():
