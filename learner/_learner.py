@@ -82,7 +82,9 @@ class Learner:
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
-        self._opt_state = self._place(eqx.filter_jit(optimizer.init)(eqx.filter(self.model, eqx.is_inexact_array)))
+        # Eager, not jitted: a compiled init may return one buffer for equal zero leaves, and this state is
+        # donated to every step (CI's long test process segfaulted in the learner's tests with it jitted).
+        self._opt_state = self._place(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
