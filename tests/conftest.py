@@ -9,9 +9,8 @@ import pytest
 
 VERIFIERS_ENVS = Path(__file__).parent / "verifiers_envs"
 
-# No persistent compilation cache for runs in the test process (the tests of the cache name its directory):
-# pytest ran hundreds of tests in one process, and with the cache on since its first in-process run the
-# learner's tests crashed it with a segfault (twice, in the same tests; not reproduced in shorter processes).
+# No persistent compilation cache for runs in the test process (the tests of the cache name its directory).
+# CI's one pytest process segfaults with or without it (the cause is still open, see docs/training.md).
 os.environ.setdefault("MARIN_RL_COMPILATION_CACHE", "off")
 
 
