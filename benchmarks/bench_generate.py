@@ -164,7 +164,7 @@ def main() -> None:
     import jax
 
     import marin_rl._compat  # noqa: F401
-    from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+    from marin_rl.server import InferenceServerConfig, PolicyServer
     from marin_rl.tokenizer import load_tokenizer
 
     max_len = args.max_seq_len or args.prompt_len + max(args.new_tokens)

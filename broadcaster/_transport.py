@@ -20,7 +20,7 @@ import time
 import httpx
 
 from marin_rl.errors import PermanentError
-from marin_rl.orchestrator import WEIGHT_TOKEN_ENV
+from marin_rl.server import WEIGHT_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,9 @@
 """Past one device: placement on one host's devices, and the Ray runtime (docs/distributed.md).
 
-The configs import eagerly; the runtime (JAX, Ray) loads on first use.
+Its configs are `marin_rl.runtime_config`'s; the runtime (JAX, Ray) loads on first use.
 """
 
 from marin_rl._lazy import lazy_attributes
-from marin_rl.distributed._config import PlacementConfig, RayConfig
 
 _LAZY = {
     "Placement": "_placement",
@@ -18,7 +17,7 @@ _LAZY = {
     "weights_to_bytes": "_wire",
 }
 
-__all__ = ["PlacementConfig", "RayConfig", *_LAZY]
+__all__ = [*_LAZY]
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY)

@@ -59,7 +59,7 @@ class ServerActor:
         """Serve `payload` (safetensors bytes, or an HF checkpoint directory) as `policy_version`; the
         first load starts the HTTP server. ValueError for an older version (unless `reset`) or weights of
         another architecture."""
-        from marin_rl.orchestrator._inference_server import PolicyServer
+        from marin_rl.server import PolicyServer
         from marin_rl.tokenizer import load_tokenizer
 
         if self._server is not None and policy_version < self._server.policy_version and not reset:
@@ -80,7 +80,7 @@ class ServerActor:
 
     def _model(self, payload):
         if isinstance(payload, str):  # an HF checkpoint on shared storage
-            from marin_rl.orchestrator._server_process import load_checkpoint
+            from marin_rl.server import load_checkpoint
 
             return load_checkpoint(payload, tokenizer=self._tokenizer)
         import equinox as eqx
@@ -170,9 +170,8 @@ class EnvWorkerActor:
         """Build the envs and start sampling from `positions` (each env's, rounded up into this shard),
         from the servers whose sampling `windows` are open (as `collect` takes them)."""
         from marin_rl.envs import build_env
-        from marin_rl.orchestrator._endpoints import Endpoint
-        from marin_rl.orchestrator._workers import EnvWorkers, worker_specs
         from marin_rl.tokenizer import load_tokenizer
+        from marin_rl.workers import Endpoint, EnvWorkers, worker_specs
 
         config = self.config
         tokenizer = load_tokenizer(config.tokenizer)

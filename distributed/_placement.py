@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 
-from marin_rl.config import TrainConfig
 from marin_rl.errors import ConfigError
-from marin_rl.learner._mesh import LearnerMesh
+from marin_rl.learner import LearnerMesh
+
+if TYPE_CHECKING:  # the config imports this package's configs
+    from marin_rl.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,18 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
 from marin_rl.broadcaster import CheckpointExports
-from marin_rl.config import TrainConfig
 from marin_rl.distributed._actors import EnvWorkerActor, ServerActor
 from marin_rl.distributed._transport import ObjectStoreExports, RayServerTransport
 from marin_rl.distributed._wire import rollouts_from_bytes
 from marin_rl.errors import PermanentError
+
+if TYPE_CHECKING:  # the config imports this package's configs
+    from marin_rl.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from marin_rl.envs._reasoning_gym import ReasoningGymEnv
 from marin_rl.envs._toy import ToyAdditionEnv, ToyNextLetterEnv
 from marin_rl.envs._rewards import EnvMetrics, Scores, VerifierThreads
 from marin_rl.envs._verifiers import VerifiersEnv
-from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, pass_at_k, resolve_settings, sample_group
+from marin_rl.envs._runner import EvalResult, RolloutSettings, evaluate, gather_all, pass_at_k, resolve_settings, sample_group
 from marin_rl.envs._sampling import (
     Completion,
     OpenAISampler,
@@ -68,6 +68,7 @@ __all__ = [
     "compose",
     "env_types",
     "evaluate",
+    "gather_all",
     "exact_match",
     "first_of",
     "get_parser",

@@ -31,6 +31,8 @@ _LAZY = {
     "kl_estimate": "_loss",
     "policy_loss": "_loss",
     "scored_tokens": "_loss",
+    "LearnerMesh": "_mesh",
+    "complete_checkpoints": "_checkpoint",
     "build_model": "_model",
     "cast_floating": "_model",
     "compute_dtype": "_model",

@@ -1,18 +1,11 @@
 """marin-rl: reinforcement learning of language models with JAX, Equinox and Levanter."""
 
+from marin_rl._lazy import lazy_attributes
 from marin_rl.types import InferenceMetadata, Rollout, RolloutValidationError, Turn
 
-__all__ = ["InferenceMetadata", "PackedArrays", "RlExample", "Rollout", "RolloutValidationError", "Turn"]
+# RlExample and PackedArrays pull in jax/haliax (seconds); the CLI's offline commands never need them.
+_LAZY = {"RlExample": "rl_example", "PackedArrays": "packed"}
 
+__all__ = ["InferenceMetadata", "Rollout", "RolloutValidationError", "Turn", *_LAZY]
 
-def __getattr__(name: str):
-    # RlExample pulls in jax/haliax (seconds); the CLI's offline commands never need it.
-    if name == "RlExample":
-        from marin_rl.rl_example import RlExample
-
-        return RlExample
-    if name == "PackedArrays":
-        from marin_rl.packed import PackedArrays
-
-        return PackedArrays
-    raise AttributeError(f"module 'marin_rl' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

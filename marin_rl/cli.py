@@ -113,10 +113,10 @@ def train_command(args, console: Console) -> int:
 
     joins = [] if args.ray_address is None else ["--runtime=ray", f"--ray.address={args.ray_address}"]
     config = load_config(args.config, [*joins, *args.overrides])
-    from marin_rl.orchestrator._preflight import check_run
+    from marin_rl.orchestrator import check_run
 
     checked = check_run(config, resume=args.resume)  # everything a user can get wrong, before the run dir is touched
-    from marin_rl.orchestrator._train import train
+    from marin_rl.orchestrator import train
 
     stop = threading.Event()
 
@@ -175,13 +175,13 @@ def _config_keys_help() -> str:
 def serve_command(args, console: Console) -> int:
     import draccus
 
-    from marin_rl.orchestrator._server_config import ServeConfig
+    from marin_rl.server import ServeConfig
 
     try:
         config = draccus.parse(ServeConfig, args=args.overrides)
     except Exception as e:  # noqa: BLE001 - draccus raises several types for a bad config
         raise ConfigError(f"serve config: {e}") from e
-    from marin_rl.orchestrator._server_process import serve_main
+    from marin_rl.server import serve_main
 
     serve_main(config)
     return 0

@@ -16,16 +16,14 @@ from typing import Any
 import draccus
 import yaml
 
-from marin_rl.broadcaster._broadcaster import BroadcasterConfig
-from marin_rl.distributed._config import RUNTIMES, PlacementConfig, RayConfig
-from marin_rl.envs._sampling import SamplingParams
+from marin_rl.broadcaster import BroadcasterConfig
+from marin_rl.envs import SamplingParams
 from marin_rl.errors import ConfigError
-from marin_rl.learner._config import LearnerConfig, ModelConfig
-from marin_rl.orchestrator._server_config import InferenceServerConfig
-from marin_rl.replay._algorithms import AlgorithmConfig, RlooConfig
-from marin_rl.replay._batcher import BatcherConfig
-from marin_rl.replay._buffer import ReplayBufferConfig
+from marin_rl.learner import LearnerConfig, ModelConfig
+from marin_rl.replay import AlgorithmConfig, BatcherConfig, ReplayBufferConfig, RlooConfig
+from marin_rl.runtime_config import RUNTIMES, PlacementConfig, RayConfig
 from marin_rl.schema import SchemaError, normalize
+from marin_rl.server import InferenceServerConfig
 
 
 @dataclass(frozen=True)

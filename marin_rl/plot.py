@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from marin_rl.orchestrator._metrics import read_metrics
+from marin_rl.orchestrator import read_metrics
 
 ENV = r"(?P<env>[^/]+)"
 LINE_STYLES = ("-", "--", ":", "-.")

@@ -125,7 +125,7 @@ def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: 
     n = len(list(workdir.glob("serve-*.log")))
     ready, log_path = workdir / f"serve-{n}.ready.json", workdir / f"serve-{n}.log"
     command = [
-        sys.executable, "-m", "marin_rl.orchestrator._server_process", f"--checkpoint={checkpoint}",
+        sys.executable, "-m", "marin_rl.server", f"--checkpoint={checkpoint}",
         f"--server.port={port}", f"--ready_file={ready}", *flags,
     ]  # fmt: skip
     env = {**os.environ, **({"MARIN_RL_WEIGHT_TOKEN": token} if token else {})}

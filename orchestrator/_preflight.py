@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from marin_rl.config import EnvConfig, TrainConfig
-from marin_rl.distributed import PlacementConfig
+from marin_rl.runtime_config import PlacementConfig
 from marin_rl.errors import ConfigError, RunDirError
 
 PROBLEMS_MEASURED = 8
@@ -105,7 +105,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run_dir {run_dir} is a file, not a directory")
     if resume:
-        from marin_rl.learner._checkpoint import complete_checkpoints
+        from marin_rl.learner import complete_checkpoints
 
         checkpoints = complete_checkpoints(run_dir / "checkpoints")
         return checkpoints[-1] if checkpoints else None
@@ -252,7 +252,7 @@ def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int) -> dic
 
 def _check_rows(env_config: EnvConfig, key: str, lengths: PromptLengths, config: TrainConfig) -> list[str]:
     """A group must fit in one batch (groups are never split); say when rollouts will be cut."""
-    from marin_rl.replay._packing import RowPacker
+    from marin_rl.replay import RowPacker
 
     batcher, n = config.batcher, env_config.group_size
     budget = f"batcher.total_token_budget={batcher.total_token_budget} ({batcher.num_rows} rows of {batcher.max_seq_len})"

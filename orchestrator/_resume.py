@@ -26,13 +26,12 @@ import pyarrow.parquet as pq
 
 from marin_rl.orchestrator._metrics import METRICS_FILE
 from marin_rl.storage import ROLLOUTS_DIR, list_env_dirs, list_segments, read_segment, write_segment_atomic
+from marin_rl.workers import PROBLEM_POSITION_KEY
 
 logger = logging.getLogger(__name__)
 
 ABANDONED_METRICS_FILE = "metrics.abandoned.jsonl"
 ABANDONED_ROLLOUTS_DIR = "rollouts-abandoned"
-PROBLEM_POSITION_KEY = "problem_position"
-"""Rollout metadata: the index of the rollout's problem in its env's problem stream."""
 
 
 def set_aside_abandoned(run_dir: Path, step: int, positions: Mapping[str, int]) -> dict[str, int]:

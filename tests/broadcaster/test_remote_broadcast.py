@@ -10,7 +10,7 @@ import pytest
 
 from marin_rl.broadcaster import Broadcaster, ColocatedTransport, RemoteTransport, WeightUpdateRefused
 from marin_rl.learner import ModelConfig, build_model, save_hf_model
-from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+from marin_rl.server import InferenceServerConfig, PolicyServer
 from marin_rl.testing import start_serve_process
 from marin_rl.tokenizer import load_tokenizer
 

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from marin_rl.broadcaster import RemoteTransport, WeightUpdateRefused
-from marin_rl.orchestrator import InferenceServerConfig
-from marin_rl.orchestrator._server_app import WeightUpdates, build_app
+from marin_rl.server import InferenceServerConfig
+from marin_rl.server._app import WeightUpdates, build_app
 from marin_rl.testing import free_port
 from marin_rl.tokenizer import load_tokenizer
 

@@ -10,9 +10,9 @@ import pytest
 from marin_rl.distributed import rollouts_from_bytes, rollouts_to_bytes, weights_from_bytes, weights_to_bytes
 from marin_rl.envs import Completion, Sampler, SamplingParams
 from marin_rl.learner import ModelConfig, build_model
-from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, LeastLoadedSampler
-from marin_rl.orchestrator._faults import ServerNotReady
-from marin_rl.orchestrator._workers import shard_start
+from marin_rl.workers._endpoints import Endpoint, GatedSampler, LeastLoadedSampler
+from marin_rl.workers._faults import ServerNotReady
+from marin_rl.workers._workers import shard_start
 from marin_rl.testing import make_group
 from marin_rl.types import InferenceMetadata
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("marin_rl.orchestrator._inference_server")
+pytest.importorskip("marin_rl.server._policy_server")
 
 from marin_rl.envs import Env, OpenAISampler, Problem, SamplingParams, reward, sample_group  # noqa: E402
 
@@ -34,8 +34,8 @@ def server(tokenizer):
     import jax
     from levanter.models.llama import LlamaConfig
 
-    from marin_rl.orchestrator._inference_server import PolicyServer
-    from marin_rl.orchestrator._server_config import InferenceServerConfig
+    from marin_rl.server._policy_server import PolicyServer
+    from marin_rl.server._config import InferenceServerConfig
 
     config = LlamaConfig(seq_len=256, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2, num_kv_heads=2)
     model = config.build(hax.Axis("vocab", len(tokenizer)), key=jax.random.PRNGKey(0))

@@ -14,8 +14,9 @@ from levanter.layers.attention import AttentionMask
 from marin_rl.config import load_config
 from marin_rl.envs import Sampler, build_env, sample_group
 from marin_rl.learner import ModelConfig, build_model
-from marin_rl.orchestrator import InferenceServerConfig, PolicyServer, train
-from marin_rl.orchestrator._endpoints import SeededSampler, derive_seed
+from marin_rl.orchestrator import train
+from marin_rl.server import InferenceServerConfig, PolicyServer
+from marin_rl.workers._endpoints import SeededSampler, derive_seed
 from marin_rl.tokenizer import load_tokenizer
 
 GROUP = 16

@@ -149,7 +149,7 @@ def test_env_overrides_address_an_env_by_name_or_index():
 
 def test_serve_command_reads_its_config_from_flags(monkeypatch):
     seen = {}
-    monkeypatch.setattr("marin_rl.orchestrator._server_process.serve_main", lambda config: seen.setdefault("config", config))
+    monkeypatch.setattr("marin_rl.server.serve_main", lambda config: seen.setdefault("config", config))
     assert main(["serve", "--checkpoint", "/ckpt", "--tokenizer", "char", "--server.port", "8011"]) == 0
     assert seen["config"].checkpoint == "/ckpt" and seen["config"].server.port == 8011
     assert seen["config"].server.host == "127.0.0.1"
@@ -164,7 +164,7 @@ def test_serve_refuses_a_checkpoint_that_is_not_a_local_dir_in_one_line(tmp_path
 
 def test_serve_on_a_port_in_use_is_one_line_exit_2_before_the_model_loads(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text("{}")  # never read: the port is checked first
-    monkeypatch.setattr("marin_rl.orchestrator._server_process.load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("marin_rl.server._process.load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -12,8 +12,8 @@ import pytest
 from marin_rl.envs import Completion, Sampler, SamplerError, SamplingParams
 from marin_rl.config import EnvConfig
 from marin_rl.errors import ConfigError, PermanentError, ProblemSourceError, PromptTooLong
-from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, SeededSampler, derive_seed
-from marin_rl.orchestrator._faults import RewardFailureWatch, ServerNotReady, classify
+from marin_rl.workers._endpoints import Endpoint, GatedSampler, SeededSampler, derive_seed
+from marin_rl.workers._faults import RewardFailureWatch, ServerNotReady, classify
 from marin_rl.testing import make_group
 from marin_rl.types import InferenceMetadata
 
@@ -132,7 +132,7 @@ def test_failed_rewards_are_judged_over_a_whole_window_not_one_group():
 def test_a_warning_past_one_percent_and_again_when_the_share_doubles(caplog):
     watch = RewardFailureWatch("math", max_share=0.5, window=64)
     shares = []
-    with caplog.at_level(logging.WARNING, logger="marin_rl.orchestrator._faults"):
+    with caplog.at_level(logging.WARNING, logger="marin_rl.workers._faults"):
         for failed in [0, 1, 1, 2, 1, 4, 16]:  # a window of 64 each: 0%, 1.6%, 1.6%, 3.1%, 1.6%, 6.2%, 25%
             before = len(caplog.records)
             watch.observe(_group(64, failed))

@@ -16,7 +16,7 @@ import pytest
 from levanter.layers.attention import AttentionMask
 
 from marin_rl.learner import ModelConfig, build_model
-from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
+from marin_rl.server import InferenceServerConfig, PolicyServer
 from marin_rl.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -229,7 +229,7 @@ def test_swap_weights_refuses_another_architecture(server, model_a):
 
 def test_the_local_sampler_answers_like_the_http_api(server):
     from marin_rl.envs import OpenAISampler, SamplingParams
-    from marin_rl.orchestrator._faults import classify
+    from marin_rl.workers._faults import classify
 
     prompt = TOKENIZER.encode("hello", add_special_tokens=False)
     params = SamplingParams(temperature=1.0, max_tokens=12, stop=("e",), seed=5)

@@ -13,10 +13,10 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from marin_rl.orchestrator import InferenceServerConfig
-from marin_rl.orchestrator._server_app import RequestHandler, WeightUpdates, build_app
+from marin_rl.server import InferenceServerConfig
+from marin_rl.server._app import RequestHandler, WeightUpdates, build_app
 from marin_rl.engine import JobResult, PromptScores, Sample
-from marin_rl.orchestrator._server_protocol import truncate_at_stop
+from marin_rl.server._protocol import truncate_at_stop
 from marin_rl.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer("char")

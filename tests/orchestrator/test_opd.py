@@ -10,9 +10,9 @@ import pytest
 
 from marin_rl.envs import build_env
 from marin_rl.learner import LearnerConfig, ModelConfig, build_model, loss_and_gradients
-from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
-from marin_rl.orchestrator._endpoints import Endpoint
-from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
+from marin_rl.server import InferenceServerConfig, PolicyServer
+from marin_rl.workers._endpoints import Endpoint
+from marin_rl.workers._workers import EnvWorkers, WorkerSpec
 from marin_rl.replay import Batcher, BatcherConfig, OpdConfig, ReplayBuffer, ReplayBufferConfig, TeacherConfig
 from marin_rl.tokenizer import load_tokenizer
 

@@ -7,9 +7,9 @@ import pytest
 
 from marin_rl.envs import build_env
 from marin_rl.learner import ModelConfig, build_model
-from marin_rl.orchestrator import InferenceServerConfig, PolicyServer
-from marin_rl.orchestrator._endpoints import Endpoint
-from marin_rl.orchestrator._workers import EnvWorkers, WorkerSpec
+from marin_rl.server import InferenceServerConfig, PolicyServer
+from marin_rl.workers._endpoints import Endpoint
+from marin_rl.workers._workers import EnvWorkers, WorkerSpec
 from marin_rl.replay import ReplayBuffer, ReplayBufferConfig
 from marin_rl.testing import free_port
 from marin_rl.tokenizer import load_tokenizer
@@ -120,7 +120,7 @@ class FlakyEngine:
 
 def test_a_failed_evaluation_is_retried_then_recorded_and_never_ends_the_run(serve_asgi):
     from marin_rl.config import EvalConfig
-    from marin_rl.orchestrator._server_app import build_app
+    from marin_rl.server._app import build_app
 
     tokenizer = load_tokenizer("char")
     engine = FlakyEngine(failures=3)

@@ -33,7 +33,7 @@ def test_a_verifier_hanging_on_2_percent_of_rollouts_neither_stalls_learning_nor
     config = load_config(QUICKSTART, hanging_run(tmp_path / "run", steps=40, hang_every=50, c_hang_s=3.0))
     checked = check_run(config, resume=False)
     env = checked.envs["addition"]
-    with caplog.at_level(logging.WARNING, logger="marin_rl.orchestrator._faults"):
+    with caplog.at_level(logging.WARNING, logger="marin_rl.workers._faults"):
         train(config, checked=checked)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["batches/addition/reward_mean"] for r in records]

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 
 from marin_rl.envs import Completion, Sampler, SamplingParams
-from marin_rl.orchestrator._server_app import RequestHandler, completion_prompts
-from marin_rl.orchestrator._server_protocol import CompletionRequest
+from marin_rl.server._app import RequestHandler, completion_prompts
+from marin_rl.server._protocol import CompletionRequest
 from marin_rl.types import InferenceMetadata
 
 

@@ -20,7 +20,7 @@ import tenacity
 
 from marin_rl.envs import SamplerError
 from marin_rl.errors import ConfigError, PermanentError
-from marin_rl.orchestrator._server_protocol import ApiError
+from marin_rl.server import ApiError
 
 logger = logging.getLogger(__name__)
 

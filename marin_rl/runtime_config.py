@@ -1,4 +1,7 @@
-"""Configs of placement on one host's devices and of the Ray runtime (no JAX or Ray imports)."""
+"""Configs of placement on one host's devices and of the Ray runtime (`marin_rl.distributed` runs them).
+
+Here, not in that package: the run's config holds them, and that package's runtime reads the run's
+config."""
 
 from __future__ import annotations
 

@@ -29,17 +29,18 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig, TrainConfig
-from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, sample_group
-from marin_rl.envs._runner import gather_all
+from marin_rl.envs import Env, gather_all, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, sample_group
 from marin_rl.errors import PermanentError
-from marin_rl.orchestrator._endpoints import Endpoint, GatedSampler, LeastLoadedSampler, RetryingSampler, SeededSampler, derive_seed
-from marin_rl.orchestrator._faults import MAX_UNKNOWN_IN_A_ROW, RewardFailureWatch, ServerNotReady, classify, describe
-from marin_rl.orchestrator._resume import PROBLEM_POSITION_KEY
-from marin_rl.orchestrator._sources import DemonstrationSampler, TeacherScorer
+from marin_rl.workers._endpoints import Endpoint, GatedSampler, LeastLoadedSampler, RetryingSampler, SeededSampler, derive_seed
+from marin_rl.workers._faults import MAX_UNKNOWN_IN_A_ROW, RewardFailureWatch, ServerNotReady, classify, describe
+from marin_rl.workers._sources import DemonstrationSampler, TeacherScorer
 from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
 from marin_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
+
+PROBLEM_POSITION_KEY = "problem_position"
+"""Rollout metadata: the index of the rollout's problem in its env's problem stream."""
 
 EVAL_ATTEMPTS = 5
 """Tries of one evaluation request that fails transiently before that env's evaluation is recorded as failed."""

@@ -1,6 +1,6 @@
 """`marin-rl serve`: a server process that loads an HF checkpoint and takes new weights over HTTP.
 
-    python -m marin_rl.orchestrator._server_process --checkpoint DIR [--server.port 8000] ...
+    python -m marin_rl.server --checkpoint DIR [--server.port 8000] ...
 
 POST /v1/weights/update (bearer token) loads a new checkpoint and swaps it in; see docs/serving.md.
 """
@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 
-from marin_rl.orchestrator._server_config import ServeConfig
+from marin_rl.server._config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def serve_main(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     # Heavy imports after the config is parsed.
-    from marin_rl.orchestrator._inference_server import PolicyServer, bind_socket
+    from marin_rl.server._policy_server import PolicyServer, bind_socket
     from marin_rl.tokenizer import load_tokenizer
 
     _check_checkpoint_dir(config.checkpoint)
@@ -71,9 +71,3 @@ def _write_atomically(path: str, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-if __name__ == "__main__":
-    import draccus
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve_main(draccus.parse(ServeConfig))

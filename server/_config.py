@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from marin_rl.engine._config import EngineConfig
+from marin_rl.engine import EngineConfig
 
 WEIGHT_TOKEN_ENV = "MARIN_RL_WEIGHT_TOKEN"
 """Environment variable read for the weight-update bearer token when the config gives none."""

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from marin_rl.envs import Completion, Sampler, SamplingParams
-from marin_rl.orchestrator._faults import ServerNotReady, retry_transient
+from marin_rl.workers._faults import ServerNotReady, retry_transient
 
 
 class VersionGate(Protocol):

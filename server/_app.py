@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from marin_rl.orchestrator._server_config import InferenceServerConfig
+from marin_rl.server._config import InferenceServerConfig
 from marin_rl.engine import GenerationJob, JobResult, PromptScores
-from marin_rl.orchestrator._server_protocol import (
+from marin_rl.server._protocol import (
     ApiError,
     ChatChoice,
     ChatChoiceLogprobs,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from marin_rl.engine import DeviceLock
 from marin_rl.errors import ConfigError
-from marin_rl.orchestrator._server_config import InferenceServerConfig
+from marin_rl.server._config import InferenceServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PolicyServer:
     ):
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine
-        from marin_rl.orchestrator._server_app import WeightUpdates, build_app
+        from marin_rl.server._app import WeightUpdates, build_app
 
         if config.max_seq_len > model.Pos.size:
             raise ValueError(
@@ -165,7 +165,7 @@ class PolicyServer:
 
     def local_sampler(self, server_id: str = "embedded"):
         """A `Sampler` for env workers in this process: the engine without HTTP (see `LocalSampler`)."""
-        from marin_rl.orchestrator._local_sampler import LocalSampler
+        from marin_rl.server._local_sampler import LocalSampler
 
         return LocalSampler(self.app.state.handler, server_id)
 
