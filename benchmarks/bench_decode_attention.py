@@ -51,7 +51,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from marin_rl.engine._attention import AttentionKernels, choose_kernels, decode_attention
+    from marin_rl.engine._attention import choose_kernels, decode_attention
     from marin_rl.engine._kv_cache import write_tokens
 
     rng = np.random.default_rng(0)

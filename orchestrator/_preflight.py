@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from marin_rl.config import EnvConfig, TrainConfig
-from marin_rl.runtime_config import PlacementConfig
 from marin_rl.errors import ConfigError, RunDirError
+from marin_rl.runtime_config import PlacementConfig
 
 PROBLEMS_MEASURED = 8
 """Problems of each env rendered through the chat template to measure prompt lengths."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from marin_rl.envs import Completion, Sampler, SamplingParams
-from marin_rl.server._app import RequestHandler, completion_prompts
+from marin_rl.server._handler import RequestHandler, completion_prompts
 from marin_rl.server._protocol import CompletionRequest
 from marin_rl.types import InferenceMetadata
 

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig, TrainConfig
-from marin_rl.envs import Env, gather_all, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, sample_group
+from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, gather_all, sample_group
 from marin_rl.errors import PermanentError
+from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
+from marin_rl.types import Rollout
 from marin_rl.workers._endpoints import Endpoint, GatedSampler, LeastLoadedSampler, RetryingSampler, SeededSampler, derive_seed
 from marin_rl.workers._faults import MAX_UNKNOWN_IN_A_ROW, RewardFailureWatch, ServerNotReady, classify, describe
 from marin_rl.workers._sources import DemonstrationSampler, TeacherScorer
-from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
-from marin_rl.types import Rollout
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,6 @@ actors learns as the local runtime does, and goes on when a server actor and an 
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest

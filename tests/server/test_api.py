@@ -1,6 +1,6 @@
 """The HTTP layer of the inference server against a scripted engine (no JAX compilation).
 
-The real engine is exercised in test_inference_server.py; here the wire format, the vLLM extensions,
+The real engine is exercised in test_policy_server.py; here the wire format, the vLLM extensions,
 stop handling, validation errors and timeouts are checked quickly.
 """
 
@@ -13,9 +13,10 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from marin_rl.server import InferenceServerConfig
-from marin_rl.server._app import RequestHandler, WeightUpdates, build_app
 from marin_rl.engine import JobResult, PromptScores, Sample
+from marin_rl.server import InferenceServerConfig
+from marin_rl.server._app import WeightUpdates, build_app
+from marin_rl.server._handler import RequestHandler
 from marin_rl.server._protocol import truncate_at_stop
 from marin_rl.tokenizer import load_tokenizer
 

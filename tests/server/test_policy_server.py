@@ -1,7 +1,7 @@
 """The embedded `PolicyServer` with the real engine, a tiny random Llama and the char tokenizer.
 
 One server is shared by the module (its first request compiles the engine's kernels, ~20-30 s on a
-2-core CPU), hence the `slow` mark. The HTTP layer alone is tested quickly in test_inference_server_api.py.
+2-core CPU), hence the `slow` mark. The HTTP layer alone is tested quickly in test_api.py.
 """
 
 import asyncio
