@@ -157,6 +157,11 @@ class Env:
     async def aclose(self) -> None:
         """Release what the env holds (servers, pools). Called once when the run ends."""
 
+    def close_verifier_threads(self) -> None:
+        """Let the threads of the sync reward functions end (the run calls it after `aclose`)."""
+        if self._verifier_pool is not None:
+            self._verifier_pool.shutdown()
+
     # --- wiring (set by build_env or bind) ---------------------------------------------------
 
     def bind(self, tokenizer: Any, *, name: str | None = None) -> Env:

@@ -90,6 +90,10 @@ async def _run_one(
         else:
             call = threads.submit(lambda: fn(**kwargs))
             value = await asyncio.wait_for(asyncio.wrap_future(call), timeout_s)
+    except asyncio.CancelledError:  # the run is stopping: a call under way must not run on after it
+        if call is not None:
+            threads.abandon(call)
+        raise
     except TimeoutError:
         metrics.increment("reward_timeouts")
         if call is not None and call.cancelled():  # never started: every thread was busy
@@ -168,14 +172,26 @@ class VerifierThreads:
         self._started = 0
         self._idle = 0  # serving threads waiting for a call
         self._queued = 0  # calls not yet taken by a thread
+        self._closed = False
 
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         call: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the verifier threads are shut down")
             self._queued += 1
             self._start_if_needed()
         self._calls.put((call, fn))
         return call
+
+    def shutdown(self) -> None:
+        """Serving threads end once the calls queued before are done (a hung one when its call returns):
+        a process that runs many envs, one run after another, keeps no threads of the finished ones."""
+        with self._lock:
+            self._closed = True
+            serving = len(self._serving)
+        for _ in range(serving):
+            self._calls.put(None)
 
     def abandon(self, call: concurrent.futures.Future) -> None:
         """`call` timed out: interrupt its thread and let a fresh one take the calls waiting."""
@@ -213,9 +229,13 @@ class VerifierThreads:
             while True:
                 with self._lock:
                     self._idle += 1
-                call, fn = self._calls.get()
+                taken = self._calls.get()
                 with self._lock:
                     self._idle -= 1
+                    if taken is None:  # shut down
+                        self._serving.discard(me)
+                        return
+                    call, fn = taken
                     self._queued -= 1
                     if not call.set_running_or_notify_cancel():
                         continue  # timed out while queued

@@ -234,6 +234,7 @@ class EnvWorkers:
                 await env.aclose()
             except Exception:  # noqa: BLE001 - closing must not hide the run's outcome
                 logger.exception("closing env %s failed", env.name)
+            env.close_verifier_threads()
         for client in clients:
             await client.close()
 

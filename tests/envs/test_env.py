@@ -260,6 +260,38 @@ def test_a_reward_stuck_in_python_code_is_interrupted_at_its_timeout(tokenizer):
     assert env.metrics.as_dict()["envs/Looping/hung_verifier_threads"] == 0
 
 
+def test_a_reward_under_way_when_the_run_stops_is_interrupted_too(tokenizer):
+    running, finished = threading.Event(), []
+
+    class Spinning(Env):
+        verifier_timeout_s = 60  # longer than the test: only the stop can end it
+
+        def problems(self):
+            return [Problem(id="s", prompt="q")]
+
+        @reward
+        def spins(self):
+            running.set()
+            try:
+                while True:
+                    sum(range(1000))
+            finally:
+                finished.append(1)
+
+    env = Spinning().bind(tokenizer)
+
+    async def stopped_while_scoring():
+        group = asyncio.ensure_future(sample_group(env, next(iter(env.problems())), ScriptedSampler(tokenizer, ["x"]), 1))
+        await asyncio.get_running_loop().run_in_executor(None, running.wait, 30)
+        group.cancel()  # as the workers' tasks are when a run stops
+        with pytest.raises(asyncio.CancelledError):
+            await group
+
+    asyncio.run(stopped_while_scoring())
+    _wait_until(lambda: _threads_named("verifier:Spinning") == env.verifier_pool.threads == 0)
+    assert finished == [1] and env.verifier_pool.threads == 0 and _threads_named("verifier:Spinning") == 0
+
+
 def test_hung_verifier_threads_stop_at_their_cap(tokenizer):
     release, started = threading.Event(), []
     env = _stuck_env(release, started, hung_cap=3)().bind(tokenizer)
@@ -274,6 +306,23 @@ def test_hung_verifier_threads_stop_at_their_cap(tokenizer):
         assert env.metrics.as_dict()["envs/Stuck/reward_timeouts"] == 10
     finally:
         release.set()
+
+
+def test_closed_verifier_threads_end_after_their_calls_and_take_no_more(tokenizer):
+    release, started = threading.Event(), []
+    env = _stuck_env(release, started, hung_cap=256)().bind(tokenizer)
+    env.verifier_timeout_s = 30  # nothing times out: the calls are running when the threads are closed
+    pool = env.verifier_pool
+    calls = [pool.submit(lambda i=i: (release.wait(60), i)[1]) for i in range(pool.size + 1)]  # one queued
+    _wait_until(lambda: pool.threads == pool.size)
+    env.close_verifier_threads()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: 0)
+    assert _threads_named("verifier:Stuck") == pool.size  # the calls under way, and the one queued, finish first
+    release.set()
+    assert sorted(call.result(timeout=10) for call in calls) == list(range(pool.size + 1))
+    _wait_until(lambda: _threads_named("verifier:Stuck") == 0)
+    assert _threads_named("verifier:Stuck") == 0 and pool.threads == 0
 
 
 def test_a_failing_tool_ends_the_rollout_and_is_recorded(tokenizer):
