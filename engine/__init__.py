@@ -4,7 +4,8 @@ One file per concept: `_config` (sizes), `_request` (jobs and results), `_pages`
 `_kv_cache` (the cache arrays), `_weights` (the engine's copy of a Levanter LM), `_attention` and
 `kernels/` (decode and prefill attention), `_forward` (the transformer passes), `_sampling`, `_decode`
 (the compiled device calls), `_scheduler` (the host side of continuous batching), `_device_lock`
-(turns on a device shared with the learner), `_engine` (the thread that runs it all). See docs/serving.md.
+(turns on a device shared with the learner), `_core` (all of it, one pipelined turn per `step`),
+`_engine` (the thread that steps it). See docs/serving.md.
 
 The config imports eagerly; the rest (JAX, Levanter) loads on first use.
 """
@@ -16,7 +17,7 @@ from marin_rl.engine._request import GenerationJob, JobResult, PromptScores, Sam
 
 _LAZY = {
     "Engine": "_engine",
-    "EngineStats": "_engine",
+    "EngineStats": "_core",
     "PageAllocator": "_pages",
     "ServingWeights": "_weights",
     "serving_weights": "_weights",

@@ -58,7 +58,7 @@ def main(work: Path) -> None:
     swaps = []
     for engine in engines:
         engine.swap(fsdp_learner.model, version + 1)
-        swaps.append(sorted({d.id for leaf in jax.tree.leaves(eqx.filter(engine._weights, eqx.is_array)) for d in leaf.devices()}))
+        swaps.append(sorted({d.id for leaf in jax.tree.leaves(eqx.filter(engine.core._weights, eqx.is_array)) for d in leaf.devices()}))
     after = [e.submit(job()).result(timeout=300) for e in engines]
     reference = Engine(engine_config, fsdp_learner.model, version + 1)  # on the default device
     expected = reference.submit(job()).result(timeout=300)

@@ -146,8 +146,8 @@ def test_mixed_load_with_a_weight_swap_finishes_everything_and_frees_every_page(
         n = int(rng.choice([1, 2, 4, 8, 16]))
         max_tokens = int(rng.integers(1, SEQ_LEN - len(prompt)))
         candidate = job(prompt, n=n, max_tokens=max_tokens, seed=i, stops=[[int(rng.integers(VOCAB))]])
-        shared, own = engine.scheduler.pages_needed(candidate)
-        while shared + candidate.n * own > engine.pages.capacity:  # the cache is small on purpose: pages run out
+        shared, own = engine.core.scheduler.pages_needed(candidate)
+        while shared + candidate.n * own > engine.core.pages.capacity:  # the cache is small on purpose: pages run out
             candidate.n //= 2
         jobs.append(candidate)
     swapped, abort = threading.Event(), threading.Event()
@@ -183,7 +183,7 @@ def test_mixed_load_with_a_weight_swap_finishes_everything_and_frees_every_page(
     assert {r.policy_version for r in results} == {0, 1}
     stats = engine.stats
     assert stats.completed == 500 and stats.errors == 0
-    assert stats.pages_in_use == 0 and engine.pages.num_free == engine.pages.capacity
+    assert stats.pages_in_use == 0 and engine.core.pages.num_free == engine.core.pages.capacity
 
 
 def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_are_counted():
@@ -254,7 +254,7 @@ def test_impossible_requests_are_refused_at_submit(family_engine):
 def test_a_failed_device_call_answers_its_requests_and_the_queued_ones_are_served_after():
     # batch_wait_s: both requests are in the engine's queue before its first turn.
     engine = Engine(EngineConfig(max_seqs=2, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.5), tiny("llama"))
-    decode, failures = engine._decode, []
+    decode, failures = engine.core._decode, []
 
     def fails_once(*args):
         if not failures:
@@ -262,7 +262,7 @@ def test_a_failed_device_call_answers_its_requests_and_the_queued_ones_are_serve
             raise RuntimeError("device call failed")
         return decode(*args)
 
-    engine._decode = fails_once
+    engine.core._decode = fails_once
     try:
         running, queued = job([1, 2, 3], n=2, max_tokens=12), job([4, 5, 6], n=2, max_tokens=12)
         engine.submit(running)
@@ -277,18 +277,18 @@ def test_a_failed_device_call_answers_its_requests_and_the_queued_ones_are_serve
 
 def test_a_failed_admission_answers_its_requests_frees_their_pages_and_the_engine_serves_on():
     engine = Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4), tiny("llama"))
-    score = engine._score_job
+    score = engine.core._score_job
 
     def scoring_fails(job):
         raise RuntimeError("scoring the prompt failed")
 
-    engine._score_job = scoring_fails
+    engine.core._score_job = scoring_fails
     try:
         failed = job([1, 2, 3] * 7, n=2, max_tokens=4, prompt_logprobs=1)  # full prompt pages to share
         engine.submit(failed)
         with pytest.raises(RuntimeError, match="scoring the prompt failed"):
             failed.future.result(timeout=120)
-        engine._score_job = score
+        engine.core._score_job = score
         served = job([4, 5, 6] * 7, n=2, max_tokens=4, prompt_logprobs=1)
         engine.submit(served)
         result = served.future.result(timeout=120)
@@ -302,10 +302,10 @@ def test_pages_leaked_by_a_failure_reset_the_allocator_instead_of_stopping_the_e
     engine = Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4), tiny("llama"))
 
     def leaks_then_fails(chosen, *args):
-        engine.pages.allocate(3)  # as a bug between taking pages and recording them would
+        engine.core.pages.allocate(3)  # as a bug between taking pages and recording them would
         raise RuntimeError("admission failed")
 
-    engine.scheduler._build = leaks_then_fails
+    engine.core.scheduler._build = leaks_then_fails
     try:
         failed = job([1, 2, 3], max_tokens=4)
         engine.submit(failed)
@@ -334,8 +334,36 @@ def test_the_engine_lets_go_of_a_shared_device_lock_when_asked_and_calls_nothing
                 calls = engine.stats.decode_calls + engine.stats.prefill_calls
                 time.sleep(0.05)
                 assert engine.stats.decode_calls + engine.stats.prefill_calls == calls
-                assert not engine._in_flight  # drained before letting go
+                assert not engine.core._in_flight  # drained before letting go
         assert [len(s.token_ids) for s in long.future.result(timeout=120).samples] == [80] * 4
         assert engine.stats.errors == 0 and engine.stats.pages_in_use == 0
     finally:
         engine.stop()
+
+
+def test_the_core_stepped_by_hand_serves_what_the_threaded_engine_serves():
+    from marin_rl.engine._core import EngineCore
+
+    def jobs():  # greedy, and seeded samples with top-p/top-k
+        return [job([1, 2, 3], n=2, max_tokens=12, temperature=0.0), job(range(5, 25), n=3, max_tokens=9, seed=7, top_p=0.9, top_k=5)]
+
+    model = tiny("llama")
+    core, stepped = EngineCore(CONFIG, model), jobs()
+    for j in stepped:
+        core.check_job(j)
+    core.add(stepped)
+    steps = 0
+    while core.busy:
+        core.step()
+        steps += 1
+    assert steps > 1 and all(j.future.done() for j in stepped)
+    assert core.stats.completed == 2 and core.stats.errors == 0
+    assert core.stats.pages_in_use == 0 and core.pages.num_used == 0
+    engine = Engine(CONFIG, model)
+    try:
+        threaded = run(engine, jobs())
+    finally:
+        engine.stop()
+    for by_hand, by_thread in zip([j.future.result() for j in stepped], threaded):
+        assert [s.token_ids for s in by_hand.samples] == [s.token_ids for s in by_thread.samples]
+        np.testing.assert_allclose([s.logprobs for s in by_hand.samples], [s.logprobs for s in by_thread.samples], atol=1e-5)

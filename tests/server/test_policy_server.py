@@ -178,7 +178,7 @@ def test_an_engine_failure_is_a_500_and_the_next_request_is_served(client, serve
         raise RuntimeError("device call failed")
 
     errors = server.engine.stats.errors
-    monkeypatch.setattr(server.engine, "_decode", fail)
+    monkeypatch.setattr(server.engine.core, "_decode", fail)
     with pytest.raises(openai.InternalServerError, match="device call failed"):
         client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4, extra_body={"ignore_eos": True})
     monkeypatch.undo()
