@@ -18,6 +18,7 @@ import yaml
 
 from marin_rl.broadcaster._broadcaster import BroadcasterConfig
 from marin_rl.distributed._config import RUNTIMES, PlacementConfig, RayConfig
+from marin_rl.envs._runner import RolloutSettings, resolve_settings
 from marin_rl.envs._sampling import SamplingParams
 from marin_rl.errors import ConfigError
 from marin_rl.learner._config import LearnerConfig, ModelConfig
@@ -106,6 +107,17 @@ class EnvConfig:
         """Reject algorithm settings that cannot work (the env's own default temperature is checked
         again once the env is built)."""
         self.algorithm.check(self.name, self.group_size, temperature, self.buffer.drop_zero_variance_groups)
+
+    def rollout_settings(self, env, max_total_tokens: int | None) -> RolloutSettings:
+        """What `env` (built from this entry) samples and scores with: these overrides on its defaults."""
+        return resolve_settings(
+            env,
+            self.sampling,
+            reward_weights=self.reward_weights,
+            verifier_timeout_s=self.verifier_timeout_s,
+            max_turns=self.max_turns,
+            max_total_tokens=max_total_tokens,
+        )
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def _run(
     if runtime is None:
         workers = EnvWorkers(
             checked.envs,
-            worker_specs(config),
+            worker_specs(config, checked.envs),
             buffers,
             endpoints,
             seed=config.seed,
