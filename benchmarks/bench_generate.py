@@ -163,10 +163,11 @@ def main() -> None:
 
     import jax
 
-    import marin_rl._compat  # noqa: F401
+    from marin_rl._upstream import restore_jax_core_is_constant_dim
     from marin_rl.server import InferenceServerConfig, PolicyServer
     from marin_rl.tokenizer import load_tokenizer
 
+    restore_jax_core_is_constant_dim()
     max_len = args.max_seq_len or args.prompt_len + max(args.new_tokens)
     max_seqs = max(args.concurrency)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")

@@ -185,7 +185,7 @@ class EnvWorkerActor:
         ]
         self.workers = EnvWorkers(
             envs,
-            worker_specs(config, replica_share=self.count),
+            worker_specs(config, envs, replica_share=self.count),
             self.outboxes,
             endpoints,
             seed=config.seed,

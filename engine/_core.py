@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from marin_rl._upstream import jit_cache_size
 from marin_rl.engine._attention import choose_kernels
 from marin_rl.engine._config import EngineConfig
 from marin_rl.engine._device_lock import DeviceLock
@@ -199,7 +200,7 @@ class EngineCore:
 
     def compiled_variants(self) -> dict[str, int]:
         """How many shapes each device call was compiled for (a weight swap must not add any)."""
-        return {name: fn._cache_size() for name, fn in self._compiled_calls.items()}
+        return {name: jit_cache_size(fn) for name, fn in self._compiled_calls.items()}
 
     def check_job(self, job: GenerationJob) -> None:
         """ValueError naming what makes `job` impossible for this engine."""
@@ -318,7 +319,7 @@ class EngineCore:
     def _dispatch_prefill(self, admission: Admission) -> None:
         self._hold_device()
         dispatched = time.perf_counter()
-        variants = self._compiled_calls["prefill"]._cache_size()
+        variants = jit_cache_size(self._compiled_calls["prefill"])
         self._cache, self._state, tokens, logprobs, finished = self._prefill(
             self._leaves, self._cache, self._state, PrefillBatch(**admission.arrays), self.kernels, admission.truncate
         )
@@ -330,7 +331,7 @@ class EngineCore:
         slots_used = slots_bucket(scheduler.highest_slot() + 1, self.config.max_seqs)
         self._hold_device()
         dispatched = time.perf_counter()
-        variants = self._compiled_calls["decode"]._cache_size()
+        variants = jit_cache_size(self._compiled_calls["decode"])
         self._cache, self._state, *outputs = self._decode(
             self._leaves, self._cache, self._state, self.kernels, self.config.decode_steps, slots_used, scheduler.truncating
         )
@@ -360,7 +361,7 @@ class EngineCore:
         self._complete(done)
 
     def _count_compilation(self, call: str, variants_before: int, started: float, shape: str) -> None:
-        if self._compiled_calls[call]._cache_size() > variants_before:
+        if jit_cache_size(self._compiled_calls[call]) > variants_before:
             self.stats.compilations += 1
             logger.info(
                 "engine: %s compiled on first use (%.1fs); `precompile_prompt_lens` compiles such shapes at start",

@@ -22,6 +22,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
+from marin_rl._upstream import attention_qkv, post_norms
 from marin_rl.engine._config import ExactLayout
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -56,7 +57,7 @@ def tiled(fn: Callable, tile: int, *xs: jax.Array, gather: Callable | None = Non
 def _queries_keys_values(layer, x, positions):
     """q `[t, kv_heads, group, head]`, k and v `[t, kv_heads, head]` of hidden states `[t, embed]`."""
     h = layer.input_layernorm(hax.named(x, _TILE_AXES))
-    q, k, v = layer.self_attn._compute_qkv(h, key=None, pos_ids=hax.named(positions, ("position",)))
+    q, k, v = attention_qkv(layer.self_attn, h, pos_ids=hax.named(positions, ("position",)))
     q = q.rearrange(("position", "kv_head", "q_heads_per_group", "head_size")).array
     k = k.rearrange(("position", "kv_head", "head_size")).array
     v = v.rearrange(("position", "kv_head", "head_size")).array
@@ -84,12 +85,13 @@ def _finish_layer(layer, x, attention):
     x = hax.named(x, _TILE_AXES)
     t, kv_heads, group, head = attention.shape
     out = layer.self_attn.o_proj(hax.named(attention.reshape(t, kv_heads * group, head), ("position", "heads", "head_size")), key=None)
-    if getattr(layer, "post_attn_layernorm", None) is not None:
-        out = layer.post_attn_layernorm(out)
+    post_attn, post_mlp = post_norms(layer)
+    if post_attn is not None:
+        out = post_attn(out)
     x = x + out
     out = layer.mlp(layer.post_attention_layernorm(x), key=None)
-    if getattr(layer, "post_mlp_layernorm", None) is not None:
-        out = layer.post_mlp_layernorm(out)
+    if post_mlp is not None:
+        out = post_mlp(out)
     return (x + out).rearrange(_TILE_AXES).array
 
 

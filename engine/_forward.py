@@ -17,6 +17,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
+from marin_rl._upstream import attention_qkv, post_norms
 from marin_rl.engine._attention import AttentionKernels, decode_attention, prefill_attention
 from marin_rl.engine._exact import exact_hidden_states, exact_log_softmax, page_windows, row_windows
 from marin_rl.engine._kv_cache import KvCache, write_tokens
@@ -39,7 +40,7 @@ def hidden_states(weights: ServingWeights, token_ids: jax.Array, positions: jax.
     for i, layer in enumerate(weights.layers):
         residual = x
         h = layer.input_layernorm(x)
-        q, k, v = layer.self_attn._compute_qkv(h, key=None, pos_ids=pos_ids)
+        q, k, v = attention_qkv(layer.self_attn, h, pos_ids=pos_ids)
         b, t = token_ids.shape
         q = q.rearrange((*names, "kv_head", "q_heads_per_group", "head_size")).array
         q = q.reshape(b, t, -1, q.shape[-1])  # heads kv-head-major, as Levanter flattens them
@@ -47,13 +48,14 @@ def hidden_states(weights: ServingWeights, token_ids: jax.Array, positions: jax.
         v = v.rearrange((*names, "kv_head", "head_size")).array
         out = hax.named(attend(i, q, k, v).astype(x.dtype), (*names, "heads", "head_size"))
         out = layer.self_attn.o_proj(out, key=None)
-        if getattr(layer, "post_attn_layernorm", None) is not None:
-            out = layer.post_attn_layernorm(out)
+        post_attn, post_mlp = post_norms(layer)
+        if post_attn is not None:
+            out = post_attn(out)
         x = residual + out
         residual = x
         out = layer.mlp(layer.post_attention_layernorm(x), key=None)
-        if getattr(layer, "post_mlp_layernorm", None) is not None:
-            out = layer.post_mlp_layernorm(out)
+        if post_mlp is not None:
+            out = post_mlp(out)
         x = residual + out
     return weights.norm(x).rearrange((*names, "embed")).array
 

@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from marin_rl._upstream import device_memory_stats
 from marin_rl.engine._config import EngineConfig
 
 
@@ -47,7 +48,7 @@ def plan_kv_cache(config: EngineConfig, *, num_layers: int, kv_heads: int, head_
         tokens, source = config.kv_cache_tokens, f"kv_cache_tokens={config.kv_cache_tokens}"
     elif config.kv_cache_memory_fraction is not None:
         device = device or jax.devices()[0]
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        stats = device_memory_stats(device)
         if not stats or "bytes_limit" not in stats:
             raise ValueError(
                 f"kv_cache_memory_fraction: {device.platform} device {device.id} does not report its memory; "

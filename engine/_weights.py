@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-import marin_rl._compat  # noqa: F401  (haliax/JAX version workarounds)
+from marin_rl._upstream import layer_modules, layer_template, restore_jax_core_is_constant_dim, uses_sliding_window
+
+restore_jax_core_is_constant_dim()
 
 
 class ServingWeights(eqx.Module):
@@ -43,22 +45,13 @@ class ServingWeights(eqx.Module):
         return self.lm_head.dtype
 
 
-def _layer_modules(model) -> tuple:
-    layers = model.transformer.layers
-    return tuple(layers.unstacked()) if hasattr(layers, "unstacked") else tuple(layers.blocks)
-
-
-def _attention_config(model):
-    layers = model.transformer.layers
-    return (layers.stacked if hasattr(layers, "stacked") else layers.blocks[0]).self_attn.config
-
-
 def check_supported(model) -> None:
     """Raise ValueError for models the engine's forward pass does not reproduce exactly."""
-    config = _attention_config(model)  # (reading the config, not unstacking the layers: this runs every swap)
+    # One layer's config, not the unstacked layers: this runs every swap.
+    config = layer_template(model.transformer.layers).self_attn.config
     if config.logits_soft_cap is not None:
         raise ValueError("the generation engine does not support attention logits_soft_cap")
-    if getattr(model.config, "sliding_window", None) is not None and getattr(model.config, "use_sliding_window", False):
+    if uses_sliding_window(model.config):
         raise ValueError("the generation engine does not support sliding-window attention")
 
 
@@ -67,7 +60,7 @@ def unrolled_weights(model) -> ServingWeights:
     how the learner runs the exact passes on its own model inside its step."""
     return ServingWeights(
         embeddings=model.embeddings,
-        layers=_layer_modules(model),
+        layers=layer_modules(model.transformer.layers),
         norm=model.transformer.norm,
         lm_head=model.get_lm_head().rearrange(("vocab", model.Embed)),
         config=model.config,

@@ -3,7 +3,7 @@
 `sample_group` samples `n` rollouts of one problem (one request with `n` choices for the first
 turn, then each conversation goes on alone), scores them and returns `Rollout`s sharing a
 `group_id`. Everything the run config controls (sampling, reward weights, verifier timeout,
-max turns) is an argument; the env's class attributes are the defaults.
+max turns) comes in one `RolloutSettings` (`resolve_settings`); the env's class attributes are the defaults.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class RolloutSettings:
             return None
         return self.sampling if room >= self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
 
+    def with_temperature(self, temperature: float) -> RolloutSettings:
+        return replace(self, sampling=replace(self.sampling, temperature=temperature))
+
 
 def resolve_settings(
     env: Env,
@@ -85,30 +88,20 @@ async def sample_group(
     problem: Problem,
     sampler: Sampler,
     n: int,
-    sampling: SamplingParams | None = None,
+    settings: RolloutSettings | None = None,
     *,
-    reward_weights: Mapping[str, float] | None = None,
-    verifier_timeout_s: float | None = None,
-    max_turns: int | None = None,
-    max_total_tokens: int | None = None,
     metrics: EnvMetrics | None = None,
 ) -> list[Rollout]:
-    """`n` scored rollouts of `problem`, sharing one `group_id`. Counts go to `metrics` (default `env.metrics`).
+    """`n` scored rollouts of `problem`, sharing one `group_id`, sampled with `settings` (default: the
+    env's, `resolve_settings(env)`). Counts go to `metrics` (default `env.metrics`).
 
-    With `max_total_tokens`, no rollout grows past it: a turn's `max_tokens` is cut to the room left
-    and a conversation with no room left ends (truncated); a prompt that alone is too long raises
-    `PromptTooLong` (retrying cannot help).
+    With `settings.max_total_tokens`, no rollout grows past it: a turn's `max_tokens` is cut to the
+    room left and a conversation with no room left ends (truncated); a prompt that alone is too long
+    raises `PromptTooLong` (retrying cannot help).
     """
     if n < 1:
         raise ValueError(f"sample_group: n must be >= 1, got {n}")
-    settings = resolve_settings(
-        env,
-        sampling,
-        reward_weights=reward_weights,
-        verifier_timeout_s=verifier_timeout_s,
-        max_turns=max_turns,
-        max_total_tokens=max_total_tokens,
-    )
+    settings = resolve_settings(env) if settings is None else settings
     metrics = env.metrics if metrics is None else metrics
     rollouts = await env.sample_rollouts(problem, sampler, n, settings, metrics)
     metrics.increment("groups")
@@ -273,14 +266,11 @@ async def evaluate(
     *,
     n: int = 1,
     ks: Sequence[int] = (1,),
-    sampling: SamplingParams | None = None,
+    settings: RolloutSettings | None = None,
     max_concurrency: int = 8,
-    reward_weights: Mapping[str, float] | None = None,
-    verifier_timeout_s: float | None = None,
-    max_turns: int | None = None,
-    max_total_tokens: int | None = None,
 ) -> EvalResult:
-    """pass@k and mean rewards over held-out problems (default `env.eval_problems()`), greedy by default."""
+    """pass@k and mean rewards over held-out problems (default `env.eval_problems()`), sampled with
+    `settings` (default: the env's, greedy)."""
     if problems is None:
         problems = env.eval_problems()
         if problems is None:
@@ -290,7 +280,7 @@ async def evaluate(
         raise ValueError(f"env {env.name!r}: no problems to evaluate")
     if max(ks) > n:
         raise ValueError(f"evaluate: pass@{max(ks)} needs n >= {max(ks)} samples per problem, got n={n}")
-    sampling = replace(env.sampling, temperature=0.0) if sampling is None else sampling
+    settings = resolve_settings(env, replace(env.sampling, temperature=0.0)) if settings is None else settings
     metrics = EnvMetrics(env.name)
     gate = asyncio.Semaphore(max_concurrency)
 
@@ -301,11 +291,7 @@ async def evaluate(
                 problem,
                 sampler.fork("problem", index),  # seeds that do not depend on which problem starts first
                 n,
-                sampling,
-                reward_weights=reward_weights,
-                verifier_timeout_s=verifier_timeout_s,
-                max_turns=max_turns,
-                max_total_tokens=max_total_tokens,
+                settings,
                 metrics=metrics,
             )
 

@@ -4,8 +4,8 @@ Configs import eagerly (only draccus); the rest loads on first use, so parsing a
 Levanter (10-20 s).
 """
 
-import marin_rl._compat  # noqa: F401  (before any haliax call)
 from marin_rl._lazy import lazy_attributes
+from marin_rl._upstream import restore_jax_core_is_constant_dim
 from marin_rl.learner._config import (
     Aggregation,
     ConstantSchedule,
@@ -20,6 +20,8 @@ from marin_rl.learner._config import (
     TokenMean,
     TokenSum,
 )
+
+restore_jax_core_is_constant_dim()  # before any haliax call
 
 _LAZY = {
     "Learner": "_learner",

@@ -24,6 +24,7 @@ from haliax import NamedArray
 from levanter.layers.attention import Attention, AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl._upstream import attention_qkv, compute_capability, cudnn_packed_attention
 from marin_rl.learner._config import ModelConfig
 
 DEFAULT_MAX_SEGMENTS = ModelConfig.cudnn_max_segments
@@ -50,7 +51,7 @@ class JaxNnAttention(Attention):
         if config.logits_soft_cap is not None:
             raise NotImplementedError("attn_backend 'cudnn' does not support logits_soft_cap")
         Batch, Pos = x.resolve_axis("batch"), x.resolve_axis("position")
-        q, k, v = self._compute_qkv(x, key=key, pos_ids=pos_ids)
+        q, k, v = attention_qkv(self, x, key=key, pos_ids=pos_ids)
         q = q.rearrange((Batch, Pos, "kv_head", "q_heads_per_group", "head_size")).array
         # jax.nn groups query head n with kv head n // group, matching Levanter's (kv_head, per_group) order.
         q = q.reshape(Batch.size, Pos.size, config.num_heads, config.head_size)
@@ -70,7 +71,7 @@ class JaxNnAttention(Attention):
             lengths, starts, fits = segment_layout(segment_ids, self.max_segments)
             out = jax.lax.cond(
                 fits,
-                lambda q, k, v, segment_ids: _cudnn_packed(q, k, v, lengths, starts, scale),
+                lambda q, k, v, segment_ids: cudnn_packed_attention(q, k, v, lengths, starts, scale),
                 dense,
                 q, k, v, segment_ids,
             )
@@ -118,18 +119,8 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
 def _packed_layout_supported() -> bool:
     """cuDNN's packed layout needs a Hopper or later GPU (compute capability 9.0)."""
     device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
+    capability = compute_capability(device)
     return device.platform == "gpu" and capability is not None and float(capability) >= 9.0
-
-
-def _cudnn_packed(q, k, v, lengths, starts, scale):
-    # Not in jax.nn's signature (it takes one length per row): the packed layout is in the cuDNN module.
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
-
-    return dot_product_attention(
-        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
-        scale=scale, mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
-    )
 
 
 def use_jax_nn_attention(model: LmHeadModel, implementation: str, max_segments: int = DEFAULT_MAX_SEGMENTS) -> LmHeadModel:

@@ -17,7 +17,7 @@ import draccus
 import yaml
 
 from marin_rl.broadcaster import BroadcasterConfig
-from marin_rl.envs import SamplingParams
+from marin_rl.envs import RolloutSettings, SamplingParams, resolve_settings
 from marin_rl.errors import ConfigError
 from marin_rl.learner import LearnerConfig, ModelConfig
 from marin_rl.replay import AlgorithmConfig, BatcherConfig, ReplayBufferConfig, RlooConfig
@@ -104,6 +104,17 @@ class EnvConfig:
         """Reject algorithm settings that cannot work (the env's own default temperature is checked
         again once the env is built)."""
         self.algorithm.check(self.name, self.group_size, temperature, self.buffer.drop_zero_variance_groups)
+
+    def rollout_settings(self, env, max_total_tokens: int | None) -> RolloutSettings:
+        """What `env` (built from this entry) samples and scores with: these overrides on its defaults."""
+        return resolve_settings(
+            env,
+            self.sampling,
+            reward_weights=self.reward_weights,
+            verifier_timeout_s=self.verifier_timeout_s,
+            max_turns=self.max_turns,
+            max_total_tokens=max_total_tokens,
+        )
 
 
 @dataclass(frozen=True)

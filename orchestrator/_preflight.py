@@ -176,17 +176,8 @@ def _build_env(env_config: EnvConfig, key: str, tokenizer):
 
 
 def _resolve(env, env_config: EnvConfig, key: str, max_seq_len: int):
-    from marin_rl.envs import resolve_settings
-
     try:
-        settings = resolve_settings(
-            env,
-            env_config.sampling,
-            reward_weights=env_config.reward_weights,
-            verifier_timeout_s=env_config.verifier_timeout_s,
-            max_turns=env_config.max_turns,
-            max_total_tokens=max_seq_len,
-        )
+        settings = env_config.rollout_settings(env, max_seq_len)
         env_config.check_algorithm(settings.sampling.temperature)  # the env's own default temperature
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from e

@@ -161,7 +161,7 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     positions = run_state.get("problem_positions")
     if runtime is None:
         run.workers = EnvWorkers(
-            checked.envs, worker_specs(config), buffers, endpoints, seed=config.seed, max_backoff_s=config.worker_max_backoff_s, positions=positions, on_failure=fail
+            checked.envs, worker_specs(config, checked.envs), buffers, endpoints, seed=config.seed, max_backoff_s=config.worker_max_backoff_s, positions=positions, on_failure=fail
         )
     else:
         run.workers = runtime.env_workers(buffers, endpoints, positions=positions, on_failure=fail)

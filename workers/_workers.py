@@ -25,11 +25,11 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig, TrainConfig
-from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, SamplingParams, evaluate, gather_all, sample_group
+from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, RolloutSettings, evaluate, gather_all, sample_group
 from marin_rl.errors import PermanentError
 from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
 from marin_rl.types import Rollout
@@ -52,16 +52,10 @@ class WorkerSpec:
 
     replicas: int
     group_size: int
-    sampling: SamplingParams | None = None
-    """None: the env's own sampling."""
-    reward_weights: Mapping[str, float] = field(default_factory=dict)
-    """Overrides of the env's reward weights."""
-    max_turns: int | None = None
-    verifier_timeout_s: float | None = None
+    settings: RolloutSettings
+    """What its groups are sampled and scored with; rollouts capped at the batcher's row length."""
     max_buffered_tokens: int = 2**62
     """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
-    max_total_tokens: int | None = None
-    """Cap on a rollout's length (the batcher's row length): turns are cut to fit."""
     source: str = "policy"
     """Who writes the completions: `policy` (the servers), `teacher` (a frozen teacher server) or
     `dataset` (the problems' demonstrations)."""
@@ -73,15 +67,6 @@ class WorkerSpec:
     """Held-out evaluation settings (None: not evaluated)."""
     max_reward_failures: float = 0.5
     """Share of rollouts whose reward failed that stops the run (`RewardFailureWatch`)."""
-
-    def rollout_settings(self) -> dict:
-        """What `sample_group` and `evaluate` take from this spec besides the sampling."""
-        return dict(
-            reward_weights=self.reward_weights,
-            verifier_timeout_s=self.verifier_timeout_s,
-            max_turns=self.max_turns,
-            max_total_tokens=self.max_total_tokens,
-        )
 
     @staticmethod
     def for_algorithm(algorithm: AlgorithmConfig, **fields) -> WorkerSpec:
@@ -100,9 +85,9 @@ def shard_start(position: int, shard: tuple[int, int]) -> int:
     return position + (index - position) % count
 
 
-def worker_specs(config: TrainConfig, *, replica_share: int = 1) -> dict[str, WorkerSpec]:
-    """Each env's `WorkerSpec` from the run config; `replica_share` divides (rounding up) every env's
-    replicas among that many `EnvWorkers` (a Ray runtime's env-worker actors)."""
+def worker_specs(config: TrainConfig, envs: Mapping[str, Env], *, replica_share: int = 1) -> dict[str, WorkerSpec]:
+    """Each env's `WorkerSpec` from the run config and the env built from it; `replica_share` divides
+    (rounding up) every env's replicas among that many `EnvWorkers` (a Ray runtime's env-worker actors)."""
     budget = config.batcher.num_rows * config.batcher.max_seq_len
     # Each env buffers up to max_buffered_batches of its share (an env with fraction 0 lives on the
     # remainder, so it gets an even share for this purpose).
@@ -113,12 +98,8 @@ def worker_specs(config: TrainConfig, *, replica_share: int = 1) -> dict[str, Wo
             e.algorithm,
             replicas=-(-e.replicas // replica_share),
             group_size=e.group_size,
-            sampling=e.sampling,
-            reward_weights=e.reward_weights,
-            max_turns=e.max_turns,
-            verifier_timeout_s=e.verifier_timeout_s,
+            settings=e.rollout_settings(envs[e.name], config.batcher.max_seq_len),
             max_buffered_tokens=int(config.max_buffered_batches * buffered_share[e.name] * budget),
-            max_total_tokens=config.batcher.max_seq_len,
             eval=e.eval,
             max_reward_failures=e.max_reward_failures,
         )
@@ -260,7 +241,7 @@ class EnvWorkers:
         # Seeded by the problem's position in the stream: unique in the run, resumes included, and the
         # same in every run with this seed (a deterministic run's samples depend on nothing else).
         sampler = SeededSampler(sampler, derive_seed(self.seed, name, position))
-        rollouts = await sample_group(env, problem, sampler, spec.group_size, spec.sampling, **spec.rollout_settings())
+        rollouts = await sample_group(env, problem, sampler, spec.group_size, spec.settings)
         if scorer is not None:
             rollouts = await scorer.score(rollouts)
         self._unknown_in_a_row[name] = 0
@@ -391,16 +372,14 @@ class EnvWorkers:
         if problems is None:
             return {}
         problems = list(problems)[: spec.eval.max_problems]
-        common = spec.rollout_settings()
-        sampling = env.sampling.merged(spec.sampling)
         metrics: dict[str, float] = {}
         if spec.eval.greedy:
-            result = await evaluate(env, sampler, problems, sampling=replace(sampling, temperature=0.0), **common)
+            result = await evaluate(env, sampler, problems, settings=spec.settings.with_temperature(0.0))
             metrics.update(_eval_metrics(result.metrics(), name, "greedy"))
         if spec.eval.pass_at_k:
             n = spec.eval.samples or max(spec.eval.pass_at_k)
-            sampled = replace(sampling, temperature=spec.eval.temperature)
-            result = await evaluate(env, sampler, problems, n=n, ks=spec.eval.pass_at_k, sampling=sampled, **common)
+            sampled = spec.settings.with_temperature(spec.eval.temperature)
+            result = await evaluate(env, sampler, problems, n=n, ks=spec.eval.pass_at_k, settings=sampled)
             metrics.update(_eval_metrics(result.metrics(), name, "sampled"))
         return metrics
 

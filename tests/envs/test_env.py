@@ -63,7 +63,7 @@ class Tool(Env):
 
 def _rollouts(env, sampler, n=2, **kwargs):
     problem = next(iter(env.problems()))
-    return asyncio.run(sample_group(env, problem, sampler, n, **kwargs))
+    return asyncio.run(sample_group(env, problem, sampler, n, resolve_settings(env, **kwargs)))
 
 
 def test_single_turn_group_is_scored_and_valid(tokenizer):
@@ -475,14 +475,14 @@ def test_max_total_tokens_caps_every_rollout(tokenizer, render_ids):
     first_turn = len(render_ids([("user", "go"), ("assistant", "call")]))
     after_tool = len(render_ids([("user", "go"), ("assistant", "call"), ("tool", "result 1")], add_generation_prompt=True))
     # Room for a first turn and a tool message, but the second turn's max_tokens is cut to 3.
-    [cut] = asyncio.run(sample_group(env, problem, sampler, 1, max_total_tokens=after_tool + 3))
+    [cut] = asyncio.run(sample_group(env, problem, sampler, 1, resolve_settings(env, max_total_tokens=after_tool + 3)))
     cut.validate()
     assert cut.num_tokens == after_tool + 3 and cut.is_truncated and cut.metadata["stop_reason"] == "length"
     assert cut.turns[-1].inference_metadata.sampling_params["max_tokens"] == 3
     # No room after the tool message: the rollout ends on its last assistant turn.
-    [ended] = asyncio.run(sample_group(env, problem, sampler, 1, max_total_tokens=after_tool))
+    [ended] = asyncio.run(sample_group(env, problem, sampler, 1, resolve_settings(env, max_total_tokens=after_tool)))
     assert [t.role for t in ended.turns] == ["user", "assistant"] and ended.num_tokens == first_turn
     assert ended.is_truncated and ended.metadata["stop_reason"] == "max_total_tokens"
     prompt_len = len(render_ids([("user", "go")], add_generation_prompt=True))
     with pytest.raises(PromptTooLong, match="no room left under max_total_tokens"):
-        asyncio.run(sample_group(env, problem, sampler, 1, max_total_tokens=prompt_len))
+        asyncio.run(sample_group(env, problem, sampler, 1, resolve_settings(env, max_total_tokens=prompt_len)))

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("marin_rl.server._policy_server")
 
-from marin_rl.envs import Env, OpenAISampler, Problem, SamplingParams, reward, sample_group  # noqa: E402
+from marin_rl.envs import Env, OpenAISampler, Problem, SamplingParams, resolve_settings, reward, sample_group  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def _sample(server, env, problem, n, sampling=None):
     async def run():
         sampler = OpenAISampler.from_url(server.base_url, "policy")
         try:
-            return await sample_group(env, problem, sampler, n, sampling)
+            return await sample_group(env, problem, sampler, n, resolve_settings(env, sampling))
         finally:
             await sampler.aclose()
 

@@ -12,7 +12,7 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 
-from marin_rl.envs import SamplingParams, ScriptedSampler, build_env, sample_group  # noqa: E402
+from marin_rl.envs import SamplingParams, ScriptedSampler, build_env, resolve_settings, sample_group  # noqa: E402
 from marin_rl.envs._verifiers import VerifiersEnv  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("verifiers_envs")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("verifiers_envs")
 
 def _group(env, texts, n=1, problem=0, **kwargs):
     problem = list(env.problems())[problem]
-    return asyncio.run(sample_group(env, problem, ScriptedSampler(env.tokenizer, texts), n, **kwargs))
+    return asyncio.run(sample_group(env, problem, ScriptedSampler(env.tokenizer, texts), n, resolve_settings(env, **kwargs)))
 
 
 def _pairs(rollout):
@@ -93,7 +93,7 @@ def test_a_groups_first_turns_go_to_the_server_as_one_request(tokenizer):
 
     sampler.sample = sample
     problem = next(iter(env.problems()))
-    rollouts = asyncio.run(sample_group(env, problem, sampler, 3, SamplingParams(seed=7)))
+    rollouts = asyncio.run(sample_group(env, problem, sampler, 3, resolve_settings(env, SamplingParams(seed=7))))
     assert requests == [(3, 7)] and len(rollouts) == 3  # one request with n choices, like a native group
 
 

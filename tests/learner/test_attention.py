@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.learner._attention import _cudnn_packed, _packed_layout_supported, same_segment_mask, segment_layout
+from marin_rl._upstream import cudnn_packed_attention
+from marin_rl.learner._attention import _packed_layout_supported, same_segment_mask, segment_layout
 
 PADDING = -1
 
@@ -77,7 +78,7 @@ def test_cudnn_packed_rows_equal_the_dense_masked_attention_with_gradients():
     assert bool(fits)
 
     def packed(q, k, v):
-        return _cudnn_packed(q, k, v, lengths, starts, 0.125)
+        return cudnn_packed_attention(q, k, v, lengths, starts, 0.125)
 
     def dense(q, k, v):
         return jax.nn.dot_product_attention(

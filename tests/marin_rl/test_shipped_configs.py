@@ -32,16 +32,7 @@ def test_a_correct_answer_fits_and_scores_1(path, tmp_path):
             answers = [turn.format(answer=problem.answer) for turn in CORRECT[env_config.type]]
             sampler = ScriptedSampler(env.tokenizer, answers)
             [rollout] = asyncio.run(
-                sample_group(
-                    env,
-                    problem,
-                    sampler,
-                    n=1,
-                    sampling=env_config.sampling,
-                    reward_weights=env_config.reward_weights,
-                    max_turns=env_config.max_turns,
-                    max_total_tokens=config.batcher.max_seq_len,
-                )
+                sample_group(env, problem, sampler, n=1, settings=env_config.rollout_settings(env, config.batcher.max_seq_len))
             )
             where = f"{path.name}: env {env_config.name}, problem {problem.id}, answers {answers!r}"
             sampled = [turn.content for turn in rollout.turns if turn.is_sampled]

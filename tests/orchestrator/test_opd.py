@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marin_rl.envs import build_env
+from marin_rl.envs import build_env, resolve_settings
 from marin_rl.learner import LearnerConfig, ModelConfig, build_model, loss_and_gradients
 from marin_rl.server import InferenceServerConfig, PolicyServer
 from marin_rl.workers._endpoints import Endpoint
@@ -27,7 +27,7 @@ def test_opd_with_a_teacher_equal_to_the_student_gives_zero_kl_and_zero_gradient
     algorithm = OpdConfig(teacher_server=TeacherConfig(base_url=teacher.base_url))
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="distill")
     buffer = ReplayBuffer("distill", ReplayBufferConfig(min_group_size=1), algorithm=algorithm)
-    spec = WorkerSpec.for_algorithm(algorithm, replicas=2, group_size=2)
+    spec = WorkerSpec.for_algorithm(algorithm, replicas=2, group_size=2, settings=resolve_settings(env))
     endpoint = Endpoint(student.base_url, server_config.model_name, "embedded", request_timeout_s=120)
     workers = EnvWorkers({"distill": env}, {"distill": spec}, {"distill": buffer}, [endpoint]).start()
     try:

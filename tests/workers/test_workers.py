@@ -5,7 +5,7 @@ import time
 import jax
 import pytest
 
-from marin_rl.envs import build_env
+from marin_rl.envs import build_env, resolve_settings
 from marin_rl.learner import ModelConfig, build_model
 from marin_rl.server import InferenceServerConfig, PolicyServer
 from marin_rl.workers._endpoints import Endpoint
@@ -31,7 +31,7 @@ def test_workers_report_errors_while_the_server_is_down_and_resume_when_it_is_ba
     server = PolicyServer(config, model, tokenizer).start()
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
     buffer = ReplayBuffer("addition", ReplayBufferConfig(min_group_size=1))
-    spec = WorkerSpec(replicas=2, group_size=2)
+    spec = WorkerSpec(replicas=2, group_size=2, settings=resolve_settings(env))
     endpoint = Endpoint(server.base_url, config.model_name, "embedded", request_timeout_s=60)
     workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [endpoint], max_backoff_s=0.5)
     workers.start()
@@ -54,7 +54,7 @@ def run_workers_until_failure(env, endpoint_url, replicas=2):
     """Free-running workers against `endpoint_url`; returns the failures reported and the buffer."""
     failures = []
     buffer = ReplayBuffer(env.name, ReplayBufferConfig(min_group_size=1))
-    spec = WorkerSpec(replicas=replicas, group_size=2, max_total_tokens=32)
+    spec = WorkerSpec(replicas=replicas, group_size=2, settings=resolve_settings(env, max_total_tokens=32))
     workers = EnvWorkers({env.name: env}, {env.name: spec}, {env.name: buffer}, [Endpoint(endpoint_url, "policy", "embedded")], on_failure=failures.append)
     workers.start()
     try:
@@ -126,7 +126,7 @@ def test_a_failed_evaluation_is_retried_then_recorded_and_never_ends_the_run(ser
     engine = FlakyEngine(failures=3)
     url = serve_asgi(build_app(InferenceServerConfig(max_seq_len=64), tokenizer, engine, len(tokenizer)))
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
-    spec = WorkerSpec(replicas=1, group_size=2, eval=EvalConfig())
+    spec = WorkerSpec(replicas=1, group_size=2, settings=resolve_settings(env), eval=EvalConfig())
     buffer = ReplayBuffer("addition")
     workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [Endpoint(f"{url}/v1", "policy", "embedded")], max_backoff_s=0.05)
     workers.start(free_running=False)
@@ -161,7 +161,7 @@ def test_stop_ends_workers_whose_await_swallowed_the_cancellation():
     env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
     buffer = ReplayBuffer("addition", ReplayBufferConfig(min_group_size=1))
     endpoint = Endpoint("http://unused/v1", "policy", "embedded", local=AnswersThroughCancellation())
-    workers = EnvWorkers({"addition": env}, {"addition": WorkerSpec(replicas=4, group_size=2)}, {"addition": buffer}, [endpoint])
+    workers = EnvWorkers({"addition": env}, {"addition": WorkerSpec(replicas=4, group_size=2, settings=resolve_settings(env))}, {"addition": buffer}, [endpoint])
     workers.start()
     wait_until(lambda: buffer.size()[0] >= 8, what="rollouts")
     workers.stop(timeout=10)
