@@ -82,6 +82,8 @@ class Learner:
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
+        # Eager, not jitted: a compiled init may return one buffer for equal zero leaves, and this state is
+        # donated to every step.
         self._opt_state = self._place(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
@@ -126,7 +128,12 @@ class Learner:
         return (self.config, self._dtype, self.model, example, reference, step_key, step, self.mesh, self.exact)
 
     def _place(self, tree):
-        return tree if self.mesh is None else self.mesh.place_params(tree)
+        """On the learner's devices and committed there, as its step's outputs are: a state placed
+        otherwise (a Hugging Face checkpoint's, a restored one's) made the step compile again at step 2."""
+        if self.mesh is not None:
+            return self.mesh.place_params(tree)
+        device = jax.devices()[0]
+        return jax.tree.map(lambda x: jax.device_put(x, device) if eqx.is_array(x) else x, tree)
 
     def _check_example(self, example: RlExample) -> None:
         positions = example.input_ids.resolve_axis(POS_AXIS).size

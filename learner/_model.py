@@ -95,14 +95,20 @@ def build_model(model_config: ModelConfig, vocab_size: int, *, key) -> LmHeadMod
     """A freshly initialised model (float32 parameters) with the sizes of `model_config`: Levanter's
     initialisation, but token embeddings drawn from N(0, `initializer_range`^2) as transformers does."""
     config = levanter_config(model_config)
-    model = config.build(hax.Axis("vocab", vocab_size), key=key)
-    # Levanter 1.2.dev1644 ignores its configs' `initializer_range` (0.02) for embeddings: haliax draws
-    # them with std 1 / hidden (0.0005 at hidden 2048). From those, a 1B model needed 35 steps to a mean
-    # reward of 0.3 where the same loop from transformers' weights needed 11 (docs/performance.md).
-    embeddings = model.embeddings.token_embeddings
-    weight = config.initializer_range * jax.random.normal(jax.random.fold_in(key, 1), embeddings.weight.array.shape)
-    model = eqx.tree_at(lambda m: m.embeddings.token_embeddings.weight, model, hax.named(weight, embeddings.weight.axes))
-    return _with_attention_backend(model, model_config)
+
+    # One compiled program: eagerly, each parameter's initialiser compiled on its own (70 programs, 3.7 s
+    # of the quickstart's start-up on 2 CPU cores).
+    @eqx.filter_jit
+    def init(key):
+        model = config.build(hax.Axis("vocab", vocab_size), key=key)
+        # Levanter 1.2.dev1644 ignores its configs' `initializer_range` (0.02) for embeddings: haliax draws
+        # them with std 1 / hidden (0.0005 at hidden 2048). From those, a 1B model needed 35 steps to a mean
+        # reward of 0.3 where the same loop from transformers' weights needed 11 (docs/performance.md).
+        embeddings = model.embeddings.token_embeddings
+        weight = config.initializer_range * jax.random.normal(jax.random.fold_in(key, 1), embeddings.weight.array.shape)
+        return eqx.tree_at(lambda m: m.embeddings.token_embeddings.weight, model, hax.named(weight, embeddings.weight.axes))
+
+    return _with_attention_backend(init(key), model_config)
 
 
 def _single_device_mesh() -> Mesh:

@@ -1,6 +1,8 @@
 """Fixtures shared by the test folders."""
 
+import gc
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,8 +12,41 @@ import pytest
 VERIFIERS_ENVS = Path(__file__).parent / "verifiers_envs"
 
 # No persistent compilation cache for runs in the test process (the tests of the cache name its directory).
-# CI's one pytest process segfaults with or without it (the cause is still open, see docs/training.md).
 os.environ.setdefault("MARIN_RL_COMPILATION_CACHE", "off")
+
+MAX_MAPPINGS = 65530
+"""Linux's default vm.max_map_count: memory mappings one process may hold."""
+_peak_mappings = {"count": 0, "after": ""}
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs(request):
+    """Each test module's compiled programs are released when it ends. XLA's CPU executables hold
+    memory mappings, and JAX's caches keep them alive: CI's one pytest process, running every module,
+    reached the kernel's 65,530 mappings per process, where the next compilation failed and the
+    process died (a segfault unwinding its error, or an abort)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
+    count = _mappings()
+    if count > _peak_mappings["count"]:
+        _peak_mappings.update(count=count, after=request.module.__name__)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _peak_mappings["count"]:
+        terminalreporter.write_line(
+            f"memory mappings: at most {_peak_mappings['count']} of {MAX_MAPPINGS} after a test module ({_peak_mappings['after']})"
+        )
 
 
 @pytest.fixture

@@ -56,6 +56,6 @@ def test_ray_address_joins_a_cluster(tmp_path, monkeypatch):
         seen["config"] = config
         raise ConfigError("stop here")
 
-    monkeypatch.setattr("marin_rl.orchestrator._preflight.check_run", check_run)
+    monkeypatch.setattr("marin_rl.orchestrator.check_run", check_run)
     assert main(["train", QUICKSTART, f"--run_dir={tmp_path / 'run'}", "--ray_address", "10.0.0.1:6379"]) == 2
     assert seen["config"].runtime == "ray" and seen["config"].ray.address == "10.0.0.1:6379"

@@ -20,6 +20,7 @@ from marin_rl.learner import (
     kl_estimate,
     loss_and_gradients,
     per_token_logprobs,
+    save_hf_model,
     scored_tokens,
 )
 from marin_rl.compiles import CompileCounter
@@ -178,8 +179,13 @@ def test_bad_shapes_are_rejected(tmp_path, tokenizer, tiny_model_config, packer)
         learner.step(RlExample.from_packed(packer([[8], [8], [8]], 16)))
 
 
-@pytest.mark.parametrize("start", ["fresh", "restored"])
+@pytest.mark.parametrize("start", ["fresh", "hf_checkpoint", "restored"])
 def test_compile_step_leaves_no_step_anything_to_compile(start, tmp_path, tokenizer, tiny_model_config, packer, example):
+    """Whatever the state starts from, its placement is the step's outputs': a Hugging Face checkpoint's
+    arrays (loaded on a mesh) once made step 2 compile again."""
+    if start == "hf_checkpoint":
+        checkpoint = save_hf_model(build_model(tiny_model_config, len(tokenizer), key=jax.random.key(1)), tokenizer, tmp_path / "hf")
+        tiny_model_config = dataclasses.replace(tiny_model_config, hf_checkpoint=str(checkpoint))
     learner = make_learner(tmp_path / "run", tokenizer, tiny_model_config)
     if start == "restored":
         learner.save_checkpoint({})
