@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from marin_rl.compiles import CompileCounter, enable_compilation_cache
 from marin_rl.config import TrainConfig
@@ -23,6 +24,13 @@ from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes
 from marin_rl.orchestrator._resume import set_aside_abandoned
 from marin_rl.orchestrator._startup import StartupClock
 from marin_rl.workers import Endpoint, EnvWorkers, worker_specs
+
+if TYPE_CHECKING:
+    from marin_rl.broadcaster import Broadcaster
+    from marin_rl.engine import DeviceLock
+    from marin_rl.learner import Learner
+    from marin_rl.replay import Batcher, ReplayBuffer
+    from marin_rl.server import PolicyServer
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +50,14 @@ class Run:
     stop: threading.Event
     clock: StartupClock
     compiles: CompileCounter
-    learner: object
-    servers: list
-    broadcaster: object
-    buffers: dict
-    batcher: object
-    workers: object
-    device_lock: object
+    learner: Learner
+    servers: list[PolicyServer]
+    broadcaster: Broadcaster
+    buffers: dict[str, ReplayBuffer]
+    batcher: Batcher
+    workers: EnvWorkers | None
+    """Set once built (the final checkpoint is registered to close after them)."""
+    device_lock: DeviceLock
     hooks: Hooks
     failures: list[PermanentError]
     start_step: int
@@ -80,7 +89,7 @@ class Run:
                 buffer.drop_all()  # the next step starts from nothing, as a resumed one would
         return batch
 
-    def save_checkpoint(self, info: StepInfo | None = None) -> None:
+    def save_checkpoint(self) -> None:
         positions = self.drawn if self.config.deterministic else self.workers.positions()
         self.learner.save_checkpoint({"problem_positions": positions, "batcher_credit": dict(self.batcher.credit)})
         self.saved.append(self.learner.policy_version)
@@ -198,7 +207,7 @@ def _add_hooks(run: Run, metrics_log: MetricsLog, progress: ProgressLine) -> Non
             progress.console.print(run.clock.line(info.step), highlight=False)
 
     hooks.add(log, every=1, phase=LOGGED)
-    hooks.add(run.save_checkpoint, every=config.checkpoint_every, phase=PERSISTED)
+    hooks.add(lambda info: run.save_checkpoint(), every=config.checkpoint_every, phase=PERSISTED)
     hooks.add(lambda info: learner.export_hf(), every=config.export_hf_every, phase=PERSISTED)
 
 
