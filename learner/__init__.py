@@ -21,8 +21,6 @@ from marin_rl.learner._config import (
     TokenSum,
 )
 
-restore_jax_core_is_constant_dim()  # before any haliax call
-
 _LAZY = {
     "Learner": "_learner",
     "per_token_logprobs": "_logprobs",
@@ -61,4 +59,4 @@ __all__ = [
 ]
 
 
-__getattr__ = lazy_attributes(__name__, _LAZY)
+__getattr__ = lazy_attributes(__name__, _LAZY, prepare=restore_jax_core_is_constant_dim)  # before any haliax call

@@ -3,6 +3,8 @@ into another's private modules (tests and benchmarks may; marin_rl's own `_lazy`
 project's shared internals)."""
 
 import ast
+import subprocess
+import sys
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -123,3 +125,11 @@ def test_the_checks_find_a_cycle_made_in_a_function_and_a_private_import(tmp_pat
     assert cycles(graph) == [["marin_rl.envs", "marin_rl.server"]]
     assert private == ["a.py:1 imports marin_rl.server._app"]
     assert "marin_rl.replay" not in graph["marin_rl.learner"]  # annotations only
+
+
+def test_the_run_config_imports_no_jax_levanter_or_ray():
+    """Parsing a config (`marin-rl train --help`, a check that fails in a second) loads none of them."""
+    heavy = ("jax", "levanter", "haliax", "equinox", "ray", "torch", "transformers")
+    code = f"import sys, marin_rl.config; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stderr
