@@ -64,7 +64,7 @@ def main(work: Path) -> None:
     expected = reference.submit(job()).result(timeout=300)
     out["engines"] = {
         "weight_devices_after_swap": swaps,
-        "cache_devices": [sorted({d.id for leaf in e._cache.keys for d in leaf.devices()}) for e in engines],
+        "cache_devices": [sorted({d.id for leaf in e.core._cache.keys for d in leaf.devices()}) for e in engines],
         "versions_before": [r.policy_version for r in before],
         "versions_after": [r.policy_version for r in after],
         "tokens_after": [[s.token_ids for s in r.samples] for r in after],
