@@ -206,7 +206,7 @@ class VerifierThreads:
 
     def _start_if_needed(self) -> None:
         # Under the lock: a call waits with no idle thread, and both caps leave room for one more.
-        if self._queued > self._idle and len(self._serving) < self.size and self.threads < self.size + self.max_hung:
+        if self._queued > self._idle and len(self._serving) < self.size and len(self._serving) + self._hung() < self.size + self.max_hung:
             self._started += 1
             thread = threading.Thread(target=self._serve, name=f"{self.name}-{self._started}", daemon=True)
             self._serving.add(thread)
@@ -215,11 +215,17 @@ class VerifierThreads:
     @property
     def threads(self) -> int:
         """Threads alive (never more than `size + max_hung`)."""
-        return len(self._serving) + self.hung
+        with self._lock:
+            return len(self._serving) + self._hung()
 
     @property
     def hung(self) -> int:
         """Threads still running a call that timed out."""
+        with self._lock:  # the metrics read it while the event loop's thread abandons calls
+            return self._hung()
+
+    def _hung(self) -> int:
+        # Under the lock.
         self._abandoned = {t for t in self._abandoned if t.is_alive()}
         return len(self._abandoned)
 

@@ -32,20 +32,20 @@ def hanging_run(run_dir: Path, steps: int, hang_every: int, c_hang_s: float = 20
     ]  # fmt: skip
 
 
-def verifier_threads() -> int:
-    return sum(t.name.startswith("verifier:addition") for t in threading.enumerate())
+def verifier_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("verifier:addition")}
 
 
-def verifier_stacks() -> str:
+def stacks(threads: set[threading.Thread]) -> str:
     frames = sys._current_frames()
-    stacks = [f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}" for t in threading.enumerate() if t.name.startswith("verifier:addition") and t.ident in frames]
-    return "\n".join(stacks)
+    return "\n".join(f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}" for t in threads if t.ident in frames)
 
 
 def test_a_verifier_hanging_on_2_percent_of_rollouts_neither_stalls_learning_nor_piles_up_threads(tmp_path, caplog):
     config = load_config(QUICKSTART, hanging_run(tmp_path / "run", steps=40, hang_every=50, c_hang_s=3.0))
     checked = check_run(config, resume=False)
     env = checked.envs["addition"]
+    before = verifier_threads()  # other tests' envs of that name, in this process
     with caplog.at_level(logging.WARNING, logger="marin_rl.workers._faults"):
         train(config, checked=checked)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -68,9 +68,10 @@ def test_a_verifier_hanging_on_2_percent_of_rollouts_neither_stalls_learning_nor
     assert pool.threads - pool.hung <= env.verifier_threads and pool.hung <= env.hangs["c"]
     # The run closed them: each ends with its call (a hang in C within its 3 s), none is left behind.
     deadline = time.monotonic() + 30
-    while verifier_threads() and time.monotonic() < deadline:
+    while verifier_threads() - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert verifier_threads() == 0 and pool.threads == 0, verifier_stacks()
+    left = verifier_threads() - before
+    assert not left and pool.threads == 0, stacks(left)
     print(
         f"2% hanging verifier: 5-step mean reward {statistics.mean(rewards[:5]):.3f} -> {statistics.mean(rewards[-5:]):.3f} "
         f"in 40 steps; {timeouts:.0f} timeouts ({env.hangs}); frac_reward_failed {statistics.mean(failed):.3f}; "
