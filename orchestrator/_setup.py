@@ -277,7 +277,8 @@ def _tune_interpreter(backend: str, shutdown: Shutdown) -> None:
     # The engine thread, the env workers and the learner share one interpreter lock: a thread that wants it
     # waits up to the switch interval (5 ms by default) for the holder to let go, several times per engine
     # call. Shorter turns keep the device fed.
-    shutdown.close_later(lambda interval=sys.getswitchinterval(): sys.setswitchinterval(interval))
+    interval = sys.getswitchinterval()
+    shutdown.close_later(lambda: sys.setswitchinterval(interval))
     sys.setswitchinterval(SWITCH_INTERVAL_S.get(backend, DEFAULT_SWITCH_INTERVAL_S))
 
 
