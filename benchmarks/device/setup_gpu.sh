@@ -10,6 +10,6 @@ tar xzf .ray/ray312.tgz -C /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
   .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
 rm -rf /tmp/mr && mkdir -p /tmp/mr && cp -r marin_rl /tmp/mr/
-for part in envs orchestrator replay learner broadcaster engine distributed; do ln -s "$PWD/$part" "/tmp/mr/marin_rl/$part"; done
+for part in envs orchestrator replay learner broadcaster engine distributed server workers; do ln -s "$PWD/$part" "/tmp/mr/marin_rl/$part"; done
 export PYTHONPATH=/tmp/site:/tmp/mr TRL_PYTHONPATH=/tmp/trl PYTHONUNBUFFERED=1
 set +e
