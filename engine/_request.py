@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +32,9 @@ class GenerationJob:
     """The jobs of one request (its prompts) share this: admission is fair across requests. None: a
     request of its own."""
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    on_tokens: Callable[[int, list[int], list[float]], None] | None = None
+    """Streaming: called on the engine's thread with (sample index, new token ids, their log-probs) as
+    each sample's tokens are read back, before the future completes. Must not block."""
     submitted_at: float | None = None
     """`time.perf_counter()` when the engine queued it."""
     first_token_at: float | None = None

@@ -308,6 +308,8 @@ class Scheduler:
             running, i = self.slots[slot]
             running.tokens[i].append(int(tokens[slot]))
             running.logprobs[i].append(float(logprobs[slot]))
+            if running.job.on_tokens is not None:
+                running.job.on_tokens(i, running.tokens[i][-1:], running.logprobs[i][-1:])
             if finished[slot] and self._finish(slot):
                 done.append(running)
         return done
@@ -324,8 +326,11 @@ class Scheduler:
             if entry is None or self.slots[slot] is not entry:
                 continue
             running, i = entry
-            running.tokens[i].extend(token_rows[slot][: emitted[slot]])
-            running.logprobs[i].extend(logprob_rows[slot][: emitted[slot]])
+            new_tokens, new_logprobs = token_rows[slot][: emitted[slot]], logprob_rows[slot][: emitted[slot]]
+            running.tokens[i].extend(new_tokens)
+            running.logprobs[i].extend(new_logprobs)
+            if running.job.on_tokens is not None and new_tokens:
+                running.job.on_tokens(i, new_tokens, new_logprobs)
             if not active[slot] and self._finish(slot):
                 done.append(running)
         return done

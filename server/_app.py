@@ -16,7 +16,7 @@ import numpy as np
 import pydantic_core
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marin_rl.server._config import InferenceServerConfig
@@ -33,11 +33,13 @@ from marin_rl.server._protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    Usage,
     WeightUpdateRequest,
     WeightVersionResponse,
     bad_request,
     token_string,
 )
+from marin_rl.server._stream import Delta, server_sent_events, stream_deltas
 
 if TYPE_CHECKING:
     from marin_rl.engine import Engine
@@ -151,24 +153,18 @@ def build_app(
         model = handler.check_model(request.model)
         prompt = handler.check_prompt_ids(render_chat(handler, tokenizer, request), "messages")
         (job,) = handler.jobs(request, [prompt], request.requested_max_tokens(), "messages")
+        if request.stream:
+            return _event_stream(_chat_chunks(handler, request, job, model, prompt))
         (result,) = await handler.run([job])
         choices = handler.choices(request, job, result)
         with_logprobs = request.logprobs is not False
-        as_ids = request.return_tokens_as_token_ids
         return ChatCompletionResponse(
             model=model,
             choices=[
                 ChatChoice(
                     index=i,
                     message=ChatResponseMessage(content=c.text),
-                    logprobs=ChatChoiceLogprobs(
-                        content=[
-                            ChatTokenLogprob(token=(s := token_string(tokenizer, t, as_ids)), logprob=lp, bytes=list(s.encode()))
-                            for t, lp in zip(c.token_ids, c.logprobs)
-                        ]
-                    )
-                    if with_logprobs
-                    else None,
+                    logprobs=chat_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids) if with_logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if request.return_token_ids else None,
@@ -186,21 +182,19 @@ def build_app(
         model = handler.check_model(request.model)
         prompts = completion_prompts(handler, request.prompt)
         jobs = handler.jobs(request, prompts, request.requested_max_tokens(), "prompt")
+        if request.stream:
+            return _event_stream(_completion_chunks(handler, request, jobs, model, prompts))
         results = await handler.run(jobs)
-        as_ids = request.return_tokens_as_token_ids
-        with_logprobs = request.logprobs is not None or "logprobs" not in request.model_fields_set
+        with_logprobs = _completion_logprobs_wanted(request)
         choices, all_choices = [], []
         for prompt, job, result in zip(prompts, jobs, results):
             prompt_logprobs = handler.prompt_logprobs(prompt, result.prompt_scores)
             for c in handler.choices(request, job, result):
-                pieces = tokenizer.batch_decode([[t] for t in c.token_ids])  # one call, not one per token
-                tokens = [f"token_id:{t}" for t in c.token_ids] if as_ids else pieces
-                offsets = np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist()
                 choices.append(
                     CompletionChoice(
                         index=len(choices),
                         text=c.text,
-                        logprobs=CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets)
+                        logprobs=completion_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids)
                         if with_logprobs
                         else None,
                         finish_reason=c.finish_reason,
@@ -225,6 +219,93 @@ def build_app(
     if weight_updates is not None:
         _mount_weight_update(app, engine, weight_updates, instance)
     return app
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool) -> ChatChoiceLogprobs:
+    content = []
+    for t, lp in zip(token_ids, logprobs, strict=True):
+        token = token_string(tokenizer, t, as_token_ids)
+        content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode())))
+    return ChatChoiceLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, offset: int = 0) -> CompletionLogprobs:
+    """`offset`: characters of the choice's tokens before these (a streamed choice's later tokens)."""
+    pieces = tokenizer.batch_decode([[t] for t in token_ids])  # one call, not one per token
+    tokens = [f"token_id:{t}" for t in token_ids] if as_token_ids else pieces
+    offsets = (offset + np.cumsum([0] + [len(p) for p in pieces])[: len(pieces)]).tolist()
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)
+
+
+def _completion_logprobs_wanted(request: CompletionRequest) -> bool:
+    return request.logprobs is not None or "logprobs" not in request.model_fields_set
+
+
+def _event_stream(chunks) -> StreamingResponse:
+    return StreamingResponse(server_sent_events(chunks), media_type="text/event-stream")
+
+
+def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    return {**head, "choices": [], "usage": usage.model_dump()}
+
+
+def _finish_fields(choice: dict, delta: Delta, request) -> dict:
+    if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    if request.return_token_ids:
+        choice["token_ids"] = delta.token_ids
+    return choice
+
+
+async def _chat_chunks(handler: RequestHandler, request: ChatCompletionRequest, job, model: str, prompt: list[int]):
+    """OpenAI's `chat.completion.chunk` events: the role first, then each choice's deltas; the vLLM
+    extensions (`token_ids`, `prompt_token_ids`, `stop_reason`) and `policy_version` (on a choice's
+    last chunk) as in the answer without streaming."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    first = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(request.n)]}
+    if request.return_token_ids:
+        first["prompt_token_ids"] = prompt
+    yield first
+    with_logprobs = request.logprobs is not False
+    completion_tokens = 0
+    async for delta in stream_deltas(handler, request, [job]):
+        completion_tokens += len(delta.token_ids)
+        logprobs = chat_logprobs(handler.tokenizer, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids).model_dump() if with_logprobs else None
+        content = {"content": delta.text} if delta.text else {}
+        choice = {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        chunk = {**head, "choices": [_finish_fields(choice, delta, request)]}
+        if delta.policy_version is not None:
+            chunk["policy_version"] = delta.policy_version
+        yield chunk
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield _usage_chunk(head, [prompt], completion_tokens)
+
+
+async def _completion_chunks(handler: RequestHandler, request: CompletionRequest, jobs, model: str, prompts: list[list[int]]):
+    """`text_completion` events: each choice's text deltas (choice index: prompt index x n + sample)."""
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+    with_logprobs = _completion_logprobs_wanted(request)
+    token_chars: dict[int, int] = {}  # characters of each choice's tokens sent so far (the offsets)
+    completion_tokens = 0
+    async for delta in stream_deltas(handler, request, jobs):
+        completion_tokens += len(delta.token_ids)
+        logprobs = None
+        if with_logprobs:
+            offset = token_chars.get(delta.index, 0)
+            record = completion_logprobs(handler.tokenizer, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids, offset)
+            token_chars[delta.index] = offset + sum(len(p) for p in handler.tokenizer.batch_decode([[t] for t in delta.token_ids]))
+            logprobs = record.model_dump()
+        choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None and request.return_token_ids:
+            choice["prompt_token_ids"] = prompts[delta.index // request.n]
+        chunk = {**head, "choices": [_finish_fields(choice, delta, request)]}
+        if delta.policy_version is not None:
+            chunk["policy_version"] = delta.policy_version
+        yield chunk
+    if request.stream_options is not None and request.stream_options.include_usage:
+        yield _usage_chunk(head, prompts, completion_tokens)
 
 
 def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, instance: str) -> None:

@@ -61,8 +61,14 @@ _NEUTRAL_OPTIONS: dict[str, Any] = {
     "use_beam_search": False,
     "best_of": 1,
     "echo": False,
-    "stream": False,
 }
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    """A last event with the usage (and no choices), as OpenAI sends."""
 
 
 class _Request(BaseModel):
@@ -97,7 +103,9 @@ class _Request(BaseModel):
     use_beam_search: bool | None = None
     best_of: int | None = None
     echo: bool | None = None
-    stream: bool | None = None
+    stream: bool = False
+    """Server-sent events: each choice's text, token ids and log-probs as they are generated."""
+    stream_options: StreamOptions | None = None
 
     def check_supported(self) -> None:
         for name, neutral in _NEUTRAL_OPTIONS.items():

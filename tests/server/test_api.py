@@ -5,12 +5,16 @@ stop handling, validation errors and timeouts are checked quickly.
 """
 
 import asyncio
+import json
+import threading
+import time
 import types
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import uvicorn
 from starlette.testclient import TestClient
 
 from marin_rl.engine import JobResult, PromptScores, Sample
@@ -18,6 +22,7 @@ from marin_rl.server import InferenceServerConfig
 from marin_rl.server._app import WeightUpdates, build_app
 from marin_rl.server._handler import RequestHandler
 from marin_rl.server._protocol import truncate_at_stop
+from marin_rl.testing import free_port
 from marin_rl.tokenizer import load_tokenizer
 
 TOKENIZER = load_tokenizer("char")
@@ -31,19 +36,25 @@ def ids(text: str) -> list[int]:
 
 
 class ScriptedWorker:
-    """Answers each job with `completions` (token id lists, cycled over the n samples)."""
+    """Answers each job with `completions` (token id lists, cycled over the n samples). A streaming job
+    gets them `chunk` tokens at a time first, as the engine reads chunks back."""
 
-    def __init__(self, completions=(), policy_version=3, prompt_scores=None, hang=False):
+    def __init__(self, completions=(), policy_version=3, prompt_scores=None, hang=False, chunk=2):
         self.completions = [list(c) for c in completions]
         self.policy_version = policy_version
         self.prompt_scores = prompt_scores
         self.hang = hang
+        self.chunk = chunk
         self.jobs = []
 
     def submit(self, job):
         self.jobs.append(job)
         if not self.hang:
             samples = [self._sample(self.completions[k % len(self.completions)]) for k in range(job.n)]
+            for start in range(0, max(len(s.token_ids) for s in samples), self.chunk) if job.on_tokens else ():
+                for i, s in enumerate(samples):
+                    if start < len(s.token_ids):
+                        job.on_tokens(i, s.token_ids[start : start + self.chunk], s.logprobs[start : start + self.chunk])
             job.future.set_result(JobResult(samples, self.prompt_scores if job.prompt_logprobs is not None else None, self.policy_version))
         return job.future
 
@@ -152,7 +163,6 @@ def test_prompt_logprobs_follow_vllm_layout():
         ({"n": 5}, "n"),
         ({"top_p": 1.5}, "top_p"),
         ({"extra_body": {"min_p": 0.1}}, "min_p"),
-        ({"stream": True}, "stream"),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"temperature": -1.0}, "temperature"),
@@ -389,3 +399,116 @@ def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkp
     # A resumed run rolls its servers back to its checkpoint.
     rolled_back = http.post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 0, "reset": True}, headers=auth)
     assert rolled_back.status_code == 200 and worker.policy_version == 0
+
+
+# ------------------------------------------------------------------------------------------ streaming
+# `stream: true`: the deltas of each choice add up to exactly the answer without streaming (text, token
+# ids, log-probs, finish and stop reasons), and text that a stop string may still cut is never sent.
+
+
+def streamed_chat(client, **kwargs):
+    """{choice index: (text, token ids, logprobs, finish_reason, stop_reason)} and the chunks."""
+    chunks = list(chat(client, stream=True, **kwargs))
+    choices = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            text, token_ids, logprobs, _, _ = choices.get(c.index, ("", [], [], None, None))
+            token_ids = token_ids + (c.model_extra.get("token_ids") or [])
+            logprobs = logprobs + [lp.logprob for lp in (c.logprobs.content if c.logprobs else [])]
+            choices[c.index] = (text + (c.delta.content or ""), token_ids, logprobs, c.finish_reason, c.model_extra.get("stop_reason"))
+    return choices, chunks
+
+
+def answer(client, **kwargs):
+    r = chat(client, **kwargs)
+    return {c.index: (c.message.content, c.token_ids, [lp.logprob for lp in c.logprobs.content], c.finish_reason, c.stop_reason) for c in r.choices}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 20])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 9},
+        {"max_tokens": 9, "n": 2},
+        {"max_tokens": 9, "stop": ["Z", "XY"]},
+        {"max_tokens": 9, "stop": "XY", "extra_body": {"include_stop_str_in_output": True}},
+        {"max_tokens": 9, "extra_body": {"stop_token_ids": ids("Y")}},
+    ],
+)
+def test_streamed_chat_adds_up_to_the_answer(kwargs, chunk):
+    completions = [ids("abcXYZdef"), ids("uvw") + [TOKENIZER.eos_token_id]]
+    streamed, chunks = streamed_chat(client_for(ScriptedWorker(completions, chunk=chunk)), **kwargs)
+    assert streamed == answer(client_for(ScriptedWorker(completions)), **kwargs)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishing = [c for c in chunks if any(choice.finish_reason for choice in c.choices)]
+    assert len(finishing) == kwargs.get("n", 1) and all(c.model_extra["policy_version"] == 3 for c in finishing)
+
+
+def test_text_a_stop_string_may_still_cut_is_never_sent():
+    client = client_for(ScriptedWorker([ids("abcXYZdef")], chunk=1))
+    _, chunks = streamed_chat(client, max_tokens=9, stop=["XYZ"])
+    sent = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(sent) == "abc" and len(sent) > 1  # several deltas, none with "X" or "XY"
+
+
+def test_usage_comes_last_when_asked():
+    client = client_for(ScriptedWorker([ids("abc")]))
+    chunks = list(chat(client, stream=True, max_tokens=3, n=2, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_completions_add_up_to_the_answer_for_several_prompts():
+    worker = ScriptedWorker([ids("hello"), ids("yo!")], chunk=2)
+    client = client_for(worker)
+    kwargs = {"model": "policy", "prompt": [[10, 11], [12]], "n": 2, "max_tokens": 5, "logprobs": 1, "stop": ["!"]}
+    expected = client_for(ScriptedWorker([ids("hello"), ids("yo!")])).completions.create(**kwargs)
+    texts, offsets, token_ids = {}, {}, {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        (c,) = chunk.choices
+        texts[c.index] = texts.get(c.index, "") + c.text
+        offsets[c.index] = offsets.get(c.index, []) + c.logprobs.text_offset
+        token_ids[c.index] = token_ids.get(c.index, []) + c.model_extra["token_ids"]
+    for c in expected.choices:
+        assert (texts[c.index], offsets[c.index], token_ids[c.index]) == (c.text, c.logprobs.text_offset, c.token_ids)
+
+
+def test_an_error_after_the_stream_began_is_an_event_then_done():
+    """A request the engine does not answer in time: the status line (200) is sent, so the 504 comes as
+    an event with the error body, and the stream still ends with [DONE]."""
+    config = CONFIG.__class__(**{**CONFIG.__dict__, "request_timeout_s": 0.2})
+    http = TestClient(build_app(config, TOKENIZER, ScriptedWorker(hang=True), VOCAB))
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    response = http.post("/v1/chat/completions", json=body)
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 504
+
+
+def test_a_bad_streaming_request_is_still_a_400_before_any_event():
+    http = TestClient(build_app(CONFIG, TOKENIZER, ScriptedWorker([ids("a")]), VOCAB))
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000, "stream": True}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_client_that_closes_the_stream_cancels_its_job():
+    """Through uvicorn (the test client does not tell the app that the client left)."""
+    worker = ScriptedWorker(hang=True)
+    app = build_app(InferenceServerConfig(max_seqs=4, max_seq_len=64, request_timeout_s=60), TOKENIZER, worker, VOCAB)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{server.config.port}/v1/chat/completions", json=body, timeout=30) as response:
+            assert next(response.iter_lines()).startswith("data: ")  # the role: the job is in the engine
+        deadline = time.monotonic() + 30
+        while not worker.jobs[0].future.cancelled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.jobs[0].future.cancelled()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

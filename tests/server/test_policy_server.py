@@ -5,6 +5,7 @@ One server is shared by the module (its first request compiles the engine's kern
 """
 
 import asyncio
+import time
 
 import equinox as eqx
 import haliax as hax
@@ -250,3 +251,34 @@ def test_the_local_sampler_answers_like_the_http_api(server):
     with pytest.raises(Exception) as error:  # a prompt that fills the context: the same 400, never retried
         asyncio.run(server.local_sampler().sample([5] * SEQ_LEN, 1, params))
     assert getattr(error.value, "status", None) == 400 and classify(error.value) == "permanent"
+
+
+def test_streaming_sends_tokens_as_they_are_decoded_and_adds_up_to_the_answer(client):
+    kwargs = dict(model="policy", prompt="hello", max_tokens=24, n=2, temperature=1.0, seed=5, logprobs=1, extra_body={"ignore_eos": True})
+    expected = {c.index: c for c in client.completions.create(**kwargs).choices}
+    texts, token_ids, logprobs, events = {}, {}, {}, {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        (c,) = chunk.choices
+        texts[c.index] = texts.get(c.index, "") + c.text
+        token_ids[c.index] = token_ids.get(c.index, []) + c.model_extra["token_ids"]
+        logprobs[c.index] = logprobs.get(c.index, []) + c.logprobs.token_logprobs
+        events[c.index] = events.get(c.index, 0) + bool(c.model_extra["token_ids"])
+    for i, c in expected.items():
+        assert (texts[i], token_ids[i]) == (c.text, c.token_ids) and len(c.token_ids) == 24
+        np.testing.assert_allclose(logprobs[i], c.logprobs.token_logprobs, atol=1e-6)
+        # the first token (drawn by the prefill), then the decode chunks of CONFIG.decode_steps
+        assert events[i] >= 1 + (24 - 1) // CONFIG.decode_steps
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slots(client, server):
+    errors = server.engine.stats.errors
+    stream = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=SEQ_LEN // 2, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the role: the request is in the engine
+    stream.close()
+    deadline = time.monotonic() + 60
+    while (server.engine.stats.active_slots or server.engine.stats.pages_in_use) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.stats.active_slots == 0 and server.engine.stats.pages_in_use == 0
+    assert server.engine.stats.errors == errors
+    r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
+    assert len(r.choices[0].token_ids) > 0
