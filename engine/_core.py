@@ -11,6 +11,7 @@ remaining tokens; a request admitted after an install sees only the new weights.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import concurrent.futures
 import contextlib
 import logging
@@ -29,7 +30,7 @@ from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_chunk, prefill_insert, score_prompt
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
-from marin_rl.engine._request import GenerationJob, PromptScores
+from marin_rl.engine._request import GenerationJob, PromptScores, Sample
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ServingWeights, check_same_architecture, jit_on_leaves, serving_weights, weight_leaves
 
@@ -387,8 +388,17 @@ class EngineCore:
 
     def _complete(self, jobs) -> None:
         for running in jobs:
-            complete(running.job.future, running.result())
+            result = running.result()
+            if running.job.top_logprobs and not running.job.future.done():
+                result.samples[:] = [self._with_alternatives(running.job, sample) for sample in result.samples]
+            complete(running.job.future, result)
             self.stats.completed += 1
+
+    def _with_alternatives(self, job: GenerationJob, sample: Sample) -> Sample:
+        start, k = len(job.prompt_ids) - 1, job.top_logprobs  # position p scores token p + 1
+        _, _, top_ids, top_logprobs = self._score_tokens(job.prompt_ids + sample.token_ids)
+        end = start + len(sample.token_ids)
+        return dataclasses.replace(sample, top_ids=top_ids[start:end, :k], top_logprobs=top_logprobs[start:end, :k])
 
     def _publish(self) -> None:
         self.stats.pages_in_use = self.pages.num_used
@@ -396,11 +406,15 @@ class EngineCore:
         self.stats.queued = len(self.scheduler.queue) + len(self._inbox)
 
     def _score_job(self, job: GenerationJob) -> PromptScores:
-        n = len(job.prompt_ids)
-        tokens = np.zeros((1, bucket(n, MIN_PREFILL_TIME)), np.int32)
-        tokens[0, :n] = job.prompt_ids
-        with self._lock:
-            out = self._score(self._leaves, self.kernels, tokens, np.asarray([n], np.int32), self._top_k)
-            logp, ranks, top_ids, top_logp = jax.device_get(out)
-        k = job.prompt_logprobs
+        n, k = len(job.prompt_ids), job.prompt_logprobs
+        logp, ranks, top_ids, top_logp = self._score_tokens(job.prompt_ids)
         return PromptScores(logp[: n - 1], ranks[: n - 1], top_ids[: n - 1, :k], top_logp[: n - 1, :k])
+
+    def _score_tokens(self, ids: list[int]) -> tuple[np.ndarray, ...]:
+        """One forward pass over `ids`: (log-prob of each next token, its rank, the top `max_logprobs`
+        ids and their log-probs) at each position."""
+        tokens = np.zeros((1, bucket(len(ids), MIN_PREFILL_TIME)), np.int32)
+        tokens[0, : len(ids)] = ids
+        with self._lock:
+            out = self._score(self._leaves, self.kernels, tokens, np.asarray([len(ids)], np.int32), self._top_k)
+            return jax.device_get(out)

@@ -28,6 +28,9 @@ class GenerationJob:
     """0: no top-k cut."""
     prompt_logprobs: int | None = None
     """Score the prompt and keep this many top alternatives per position; None skips the forward pass."""
+    top_logprobs: int = 0
+    """Keep this many top alternatives per sampled token: each finished sample is scored with a forward
+    pass over prompt + completion (the model's own distribution, the weights installed at completion)."""
     request: Hashable | None = None
     """The jobs of one request (its prompts) share this: admission is fair across requests. None: a
     request of its own."""
@@ -47,6 +50,11 @@ class Sample:
     logprobs: list[float]
     """Same length as `token_ids`: log-probability of each sampled token under the distribution it was
     drawn from (temperature, top-p and top-k applied; the raw model distribution for greedy)."""
+    top_ids: np.ndarray | None = None
+    """[len(token_ids), job.top_logprobs] the most likely tokens at each sampled position, best first
+    (the model's distribution, without temperature); None unless the job asked for them."""
+    top_logprobs: np.ndarray | None = None
+    """Their log-probabilities, same shape."""
 
 
 @dataclass(frozen=True)

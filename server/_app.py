@@ -33,6 +33,7 @@ from marin_rl.server._protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    TopLogprob,
     Usage,
     WeightUpdateRequest,
     WeightVersionResponse,
@@ -164,7 +165,9 @@ def build_app(
                 ChatChoice(
                     index=i,
                     message=ChatResponseMessage(content=c.text),
-                    logprobs=chat_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids) if with_logprobs else None,
+                    logprobs=chat_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, c.top_ids, c.top_logprobs)
+                    if with_logprobs
+                    else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if request.return_token_ids else None,
@@ -194,7 +197,9 @@ def build_app(
                     CompletionChoice(
                         index=len(choices),
                         text=c.text,
-                        logprobs=completion_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids)
+                        logprobs=completion_logprobs(
+                            tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, top_ids=c.top_ids, top_logprobs=c.top_logprobs
+                        )
                         if with_logprobs
                         else None,
                         finish_reason=c.finish_reason,
@@ -221,20 +226,32 @@ def build_app(
     return app
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool) -> ChatChoiceLogprobs:
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, top_ids=None, top_logprobs=None) -> ChatChoiceLogprobs:
+    """`top_ids`, `top_logprobs`: `[len(token_ids), k]` alternatives (None: none asked for)."""
+    alternatives = _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids) if top_ids is not None else [[]] * len(token_ids)
     content = []
-    for t, lp in zip(token_ids, logprobs, strict=True):
+    for t, lp, alts in zip(token_ids, logprobs, alternatives, strict=True):
         token = token_string(tokenizer, t, as_token_ids)
-        content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode())))
+        top = [TopLogprob(token=alt, logprob=alt_lp, bytes=list(alt.encode())) for alt, alt_lp in alts]
+        content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
     return ChatChoiceLogprobs(content=content)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, offset: int = 0, top_ids=None, top_logprobs=None
+) -> CompletionLogprobs:
     """`offset`: characters of the choice's tokens before these (a streamed choice's later tokens)."""
     pieces = tokenizer.batch_decode([[t] for t in token_ids])  # one call, not one per token
     tokens = [f"token_id:{t}" for t in token_ids] if as_token_ids else pieces
     offsets = (offset + np.cumsum([0] + [len(p) for p in pieces])[: len(pieces)]).tolist()
-    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)
+    top = None if top_ids is None else [dict(alts) for alts in _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids)]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets, top_logprobs=top)
+
+
+def _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids: bool) -> list[list[tuple[str, float]]]:
+    """Each position's (token as logprob records show it, log-prob) pairs, best first."""
+    names = {t: token_string(tokenizer, t, as_token_ids) for t in set(top_ids.flatten().tolist())}
+    return [[(names[t], lp) for t, lp in zip(ids, lps)] for ids, lps in zip(top_ids.tolist(), top_logprobs.tolist())]
 
 
 def _completion_logprobs_wanted(request: CompletionRequest) -> bool:

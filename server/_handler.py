@@ -35,6 +35,9 @@ class _Choice:
     text: str
     finish_reason: str
     stop_reason: int | str | None
+    top_ids: np.ndarray | None = None
+    """[len(token_ids), k] the top alternatives at each token (None unless asked for)."""
+    top_logprobs: np.ndarray | None = None
 
 
 class RequestHandler:
@@ -116,6 +119,11 @@ class RequestHandler:
         k = request.prompt_logprobs
         if k is not None and not 0 <= k <= self.config.max_logprobs:
             raise bad_request(f"prompt_logprobs must be in [0, {self.config.max_logprobs}], got {k}", param="prompt_logprobs")
+        top, top_param = request.alternatives()
+        if top > self.config.max_logprobs:
+            raise bad_request(f"{top_param} must be in [0, {self.config.max_logprobs}], got {top}", param=top_param)
+        if top and request.stream:
+            raise bad_request(f"{top_param} > 0 is not supported with stream: alternatives are scored when a completion ends", param=top_param)
         stop_sequences = self._stop_sequences(request)
         seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31))
         request_key = object()  # the engine admits jobs fairly across requests
@@ -140,6 +148,7 @@ class RequestHandler:
                     top_p=request.top_p if request.top_p is not None else 1.0,
                     top_k=min(max(request.top_k or 0, 0), self.vocab_size),  # past the vocabulary: keep all (as vLLM)
                     prompt_logprobs=k,
+                    top_logprobs=top,
                     request=request_key,
                 )
             )
@@ -220,7 +229,9 @@ class RequestHandler:
                 finish, reason = "length", None
             else:
                 raise ApiError(500, f"the engine returned {len(ids)} tokens without a stop (max_tokens={job.max_tokens})")
-            out.append(_Choice(ids, sample.logprobs[:kept], text, finish, reason))
+            top_ids = None if sample.top_ids is None else sample.top_ids[:kept]
+            top_logprobs = None if sample.top_logprobs is None else sample.top_logprobs[:kept]
+            out.append(_Choice(ids, sample.logprobs[:kept], text, finish, reason, top_ids, top_logprobs))
         return out
 
     def prompt_logprobs(self, prompt: list[int], scores: PromptScores | None) -> PromptLogprobs | None:

@@ -158,13 +158,11 @@ class ChatCompletionRequest(_Request):
     """Passed to the chat template; tool calls in the output are not parsed (the text is returned)."""
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.top_logprobs:
-            raise bad_request(
-                "top_logprobs > 0 is not supported: the engine returns only the sampled token's logprob",
-                param="top_logprobs",
-            )
+    def alternatives(self) -> tuple[int, str]:
+        """(top alternatives per sampled token, the field that asked)."""
+        if self.top_logprobs and self.logprobs is False:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self.top_logprobs or 0, "top_logprobs"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -175,8 +173,12 @@ class CompletionRequest(_Request):
     """Text, texts, one token-id list, or several token-id lists."""
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0)
-    """Any value >= 0 returns the sampled tokens' logprobs; None returns them too (see chat).
-    Alternatives (`top_logprobs`) are not computed and come back null."""
+    """Any value >= 0 returns the sampled tokens' logprobs (None too, see chat), and k > 0 also the k
+    most likely tokens at each position (`top_logprobs`)."""
+
+    def alternatives(self) -> tuple[int, str]:
+        """(top alternatives per sampled token, the field that asked)."""
+        return self.logprobs or 0, "logprobs"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -205,11 +207,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):

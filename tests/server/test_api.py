@@ -163,7 +163,9 @@ def test_prompt_logprobs_follow_vllm_layout():
         ({"n": 5}, "n"),
         ({"top_p": 1.5}, "top_p"),
         ({"extra_body": {"min_p": 0.1}}, "min_p"),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
+        ({"top_logprobs": 2, "logprobs": True, "stream": True}, "top_logprobs"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"temperature": -1.0}, "temperature"),
     ],
@@ -461,7 +463,7 @@ def test_usage_comes_last_when_asked():
 def test_streamed_completions_add_up_to_the_answer_for_several_prompts():
     worker = ScriptedWorker([ids("hello"), ids("yo!")], chunk=2)
     client = client_for(worker)
-    kwargs = {"model": "policy", "prompt": [[10, 11], [12]], "n": 2, "max_tokens": 5, "logprobs": 1, "stop": ["!"]}
+    kwargs = {"model": "policy", "prompt": [[10, 11], [12]], "n": 2, "max_tokens": 5, "logprobs": 0, "stop": ["!"]}
     expected = client_for(ScriptedWorker([ids("hello"), ids("yo!")])).completions.create(**kwargs)
     texts, offsets, token_ids = {}, {}, {}
     for chunk in client.completions.create(stream=True, **kwargs):

@@ -254,7 +254,7 @@ def test_the_local_sampler_answers_like_the_http_api(server):
 
 
 def test_streaming_sends_tokens_as_they_are_decoded_and_adds_up_to_the_answer(client):
-    kwargs = dict(model="policy", prompt="hello", max_tokens=24, n=2, temperature=1.0, seed=5, logprobs=1, extra_body={"ignore_eos": True})
+    kwargs = dict(model="policy", prompt="hello", max_tokens=24, n=2, temperature=1.0, seed=5, logprobs=0, extra_body={"ignore_eos": True})
     expected = {c.index: c for c in client.completions.create(**kwargs).choices}
     texts, token_ids, logprobs, events = {}, {}, {}, {}
     for chunk in client.completions.create(stream=True, **kwargs):
@@ -282,3 +282,24 @@ def test_a_client_that_leaves_a_stream_frees_its_slots(client, server):
     assert server.engine.stats.errors == errors
     r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=4)
     assert len(r.choices[0].token_ids) > 0
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens_at_each_position(client, model_a):
+    prompt = TOKENIZER.encode("abc", add_special_tokens=False)
+    r = client.completions.create(
+        model="policy", prompt=prompt, max_tokens=8, temperature=1.0, seed=4, logprobs=5, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}
+    )
+    c = r.choices[0]
+    logp = log_probs(model_a, prompt + c.token_ids)
+    assert len(c.logprobs.top_logprobs) == len(c.token_ids) == 8
+    for t, alternatives in enumerate(c.logprobs.top_logprobs):
+        row = logp[len(prompt) - 1 + t]
+        best = np.argsort(-row)[:5]
+        assert list(alternatives) == [f"token_id:{i}" for i in best]
+        np.testing.assert_allclose(list(alternatives.values()), row[best], atol=2e-4)
+    # greedy: the sampled token is the first alternative, with the same log-prob
+    r = client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    for token in r.choices[0].logprobs.content:
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert abs(token.top_logprobs[0].logprob - token.logprob) < 2e-4
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob >= token.top_logprobs[2].logprob
