@@ -79,10 +79,11 @@ def prefill_run(engine, jobs) -> tuple[float, float]:
     return 1000 * (engine.stats.prefill_seconds - seconds) / (engine.stats.prefill_calls - calls), 1000 * wall / len(jobs)
 
 
-def http_run(server, jobs) -> tuple[float, float]:
-    """The same through POST /v1/completions (token-id prompts), all requests in flight at once."""
-    import openai
-
+def http_run(server, jobs, client_process: bool = False) -> tuple[float, float]:
+    """The same through POST /v1/completions (token-id prompts), all requests in flight at once, from an
+    `openai.AsyncOpenAI` client in this process, or (`client_process`) in a process of its own, as a
+    remote env worker sends them: in this process the client's Python (httpx's connection pool, response
+    parsing) holds the interpreter lock the server and the engine's host loop need."""
     submitted = []
     submit = server.engine.submit
 
@@ -90,25 +91,30 @@ def http_run(server, jobs) -> tuple[float, float]:
         submitted.append(job)
         return submit(job)
 
-    async def go():
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600) as client:
-            calls = [
-                client.completions.create(
-                    model="policy", prompt=j.prompt_ids, max_tokens=j.max_tokens, temperature=1.0, seed=j.seed, extra_body={"ignore_eos": True}
-                )
-                for j in jobs
-            ]
-            return await asyncio.gather(*calls)
-
+    requests = [{"prompt": j.prompt_ids, "max_tokens": j.max_tokens, "seed": j.seed} for j in jobs]
     server.engine.submit = recording_submit
     try:
-        start = time.perf_counter()
-        responses = asyncio.run(go())
-        wall = time.perf_counter() - start
+        if client_process:
+            out = subprocess.run(
+                [sys.executable, __file__, "--client-of", server.base_url], input=json.dumps(requests), capture_output=True, text=True, check=True
+            )
+            tokens, wall = json.loads(out.stdout.strip().splitlines()[-1])
+        else:
+            tokens, wall = asyncio.run(send_completions(server.base_url, requests))
     finally:
         server.engine.submit = submit
-    tokens = sum(r.usage.completion_tokens for r in responses)
     return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted)
+
+
+async def send_completions(base_url: str, requests: list[dict]) -> tuple[int, float]:
+    """(completion tokens, seconds) of `requests` sent at once with the `openai` client."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
+        start = time.perf_counter()
+        calls = [client.completions.create(model="policy", temperature=1.0, extra_body={"ignore_eos": True}, **r) for r in requests]
+        responses = await asyncio.gather(*calls)
+        return sum(r.usage.completion_tokens for r in responses), time.perf_counter() - start
 
 
 def transformers_run(size: str, concurrency: int, prompt_len: int, new_tokens: int) -> float | None:
@@ -148,7 +154,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128, 256])
-    parser.add_argument("--modes", nargs="+", default=["engine", "http", "transformers"], choices=["engine", "http", "transformers"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["engine", "http", "http-process", "transformers"],
+        choices=["engine", "http", "http-process", "transformers"],
+        help="http: the openai client in this process; http-process: in a process of its own",
+    )
     parser.add_argument("--transformers-concurrency", type=int, nargs="+", default=None, help="default: --concurrency")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=16)
@@ -158,8 +170,12 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=None, help="engine context (and KV cache per slot); default prompt + new tokens")
     parser.add_argument("--profile", default=None, help="trace one more engine run (the last row's shape) into this dir; print its top ops")
     parser.add_argument("--prefill-group", type=int, default=8, help="samples per prompt of the prefill-latency run")
+    parser.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # http-process: the client, requests on stdin
     parser.add_argument("--prefill-profile", default=None, help="trace the prefill-latency run into this dir; print its top ops")
     args = parser.parse_args()
+    if args.client_of:
+        print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read())))))
+        return
 
     import jax
 
@@ -207,6 +223,9 @@ def main() -> None:
                 )
             if "http" in args.modes:
                 row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
+            if "http-process" in args.modes:
+                jobs = jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2)
+                row["http_process_tok_s"], row["http_process_ttft_s"] = http_run(server, jobs, client_process=True)
             print(json.dumps(row), flush=True)
             rows.append(row)
     # Prefill latency: one prompt of --prefill-group samples at a time, as an RL env worker sends them.
@@ -238,13 +257,17 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
 
     print(f"\n{args.size}, prompts of {args.prompt_len} tokens, {jax.devices()[0].device_kind}")
-    print(f"{'new':>5} {'conc':>5} | {'engine tok/s':>12} {'TTFT s':>7} | {'HTTP tok/s':>10} {'TTFT s':>7} | {'transformers':>12} {'x':>5}")
+    print(
+        f"{'new':>5} {'conc':>5} | {'engine tok/s':>12} {'TTFT s':>7} | {'HTTP tok/s':>10} {'TTFT s':>7} | "
+        f"{'HTTP, client process':>20} {'TTFT s':>7} | {'transformers':>12} {'x':>5}"
+    )
     for r in rows:
         hf = r.get("transformers_tok_s")
         ratio = f"{r['engine_tok_s'] / hf:5.1f}" if hf and "engine_tok_s" in r else ""
         print(
             f"{r['new_tokens']:>5} {r['concurrency']:>5} | {r.get('engine_tok_s', 0):>12,.0f} {r.get('engine_ttft_s', 0):>7.3f} | "
-            f"{r.get('http_tok_s', 0):>10,.0f} {r.get('http_ttft_s', 0):>7.3f} | {hf or 0:>12,.0f} {ratio:>5}"
+            f"{r.get('http_tok_s', 0):>10,.0f} {r.get('http_ttft_s', 0):>7.3f} | "
+            f"{r.get('http_process_tok_s', 0):>20,.0f} {r.get('http_process_ttft_s', 0):>7.3f} | {hf or 0:>12,.0f} {ratio:>5}"
         )
     if args.json:
         with open(args.json, "w") as f:
