@@ -38,7 +38,6 @@ from marin_rl.server._protocol import (
     WeightUpdateRequest,
     WeightVersionResponse,
     bad_request,
-    token_string,
 )
 from marin_rl.server._stream import Delta, server_sent_events, stream_deltas
 
@@ -57,6 +56,35 @@ class WeightUpdates:
     """Checkpoint directory -> model (blocking; run in a thread)."""
     swap: Callable[[Any, int], Any]
     """(model, policy_version) -> swap timing (blocking; run in a thread)."""
+
+
+class _InternalErrors:
+    """ASGI middleware: a failure (e.g. in the engine) is a 500 for that request only. Not an
+    exception_handler for Exception (Starlette re-raises from that one after answering, and uvicorn then
+    resets the connection before the client has read the 500), and not Starlette's BaseHTTPMiddleware
+    (it copies every response through a stream of its own: a fifth of the server's time at 128
+    concurrent requests)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("inference request failed")
+            if started:  # the status line is out (a stream): nothing else can be said
+                raise
+            await JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)(scope, receive, send)
 
 
 class _Precheck:
@@ -127,17 +155,7 @@ def build_app(
     async def _http_error(_: Request, e: StarletteHTTPException):
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def _internal_error(request: Request, call_next):
-        # A failure (e.g. in the engine) is a 500 for that request only. Not an exception_handler for
-        # Exception: Starlette re-raises from that one after answering, and uvicorn then resets the
-        # connection before the client has read the 500.
-        try:
-            return await call_next(request)
-        except Exception as e:  # noqa: BLE001
-            logger.exception("inference request failed")
-            return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}").body(), status_code=500)
-
+    app.add_middleware(_InternalErrors)
     app.add_middleware(_Precheck, handler=handler)  # added last: outermost, it reads the body as sent
 
     @app.get("/health")
@@ -165,7 +183,7 @@ def build_app(
                 ChatChoice(
                     index=i,
                     message=ChatResponseMessage(content=c.text),
-                    logprobs=chat_logprobs(tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, c.top_ids, c.top_logprobs)
+                    logprobs=chat_logprobs(handler, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, c.top_ids, c.top_logprobs)
                     if with_logprobs
                     else None,
                     finish_reason=c.finish_reason,
@@ -198,7 +216,7 @@ def build_app(
                         index=len(choices),
                         text=c.text,
                         logprobs=completion_logprobs(
-                            tokenizer, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, top_ids=c.top_ids, top_logprobs=c.top_logprobs
+                            handler, c.token_ids, c.logprobs, request.return_tokens_as_token_ids, top_ids=c.top_ids, top_logprobs=c.top_logprobs
                         )
                         if with_logprobs
                         else None,
@@ -226,32 +244,37 @@ def build_app(
     return app
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, top_ids=None, top_logprobs=None) -> ChatChoiceLogprobs:
+def chat_logprobs(handler: RequestHandler, token_ids: list[int], logprobs: list[float], as_token_ids: bool, top_ids=None, top_logprobs=None) -> ChatChoiceLogprobs:
     """`top_ids`, `top_logprobs`: `[len(token_ids), k]` alternatives (None: none asked for)."""
-    alternatives = _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids) if top_ids is not None else [[]] * len(token_ids)
+    alternatives = _alternatives(handler, top_ids, top_logprobs, as_token_ids) if top_ids is not None else [[]] * len(token_ids)
     content = []
-    for t, lp, alts in zip(token_ids, logprobs, alternatives, strict=True):
-        token = token_string(tokenizer, t, as_token_ids)
+    for token, lp, alts in zip(_token_names(handler, token_ids, as_token_ids), logprobs, alternatives, strict=True):
         top = [TopLogprob(token=alt, logprob=alt_lp, bytes=list(alt.encode())) for alt, alt_lp in alts]
         content.append(ChatTokenLogprob(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top))
     return ChatChoiceLogprobs(content=content)
 
 
 def completion_logprobs(
-    tokenizer, token_ids: list[int], logprobs: list[float], as_token_ids: bool, offset: int = 0, top_ids=None, top_logprobs=None
+    handler: RequestHandler, token_ids: list[int], logprobs: list[float], as_token_ids: bool, offset: int = 0, top_ids=None, top_logprobs=None
 ) -> CompletionLogprobs:
     """`offset`: characters of the choice's tokens before these (a streamed choice's later tokens)."""
-    pieces = tokenizer.batch_decode([[t] for t in token_ids])  # one call, not one per token
+    pieces = handler.token_pieces(token_ids)
     tokens = [f"token_id:{t}" for t in token_ids] if as_token_ids else pieces
     offsets = (offset + np.cumsum([0] + [len(p) for p in pieces])[: len(pieces)]).tolist()
-    top = None if top_ids is None else [dict(alts) for alts in _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids)]
+    top = None if top_ids is None else [dict(alts) for alts in _alternatives(handler, top_ids, top_logprobs, as_token_ids)]
     return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets, top_logprobs=top)
 
 
-def _alternatives(tokenizer, top_ids, top_logprobs, as_token_ids: bool) -> list[list[tuple[str, float]]]:
+def _token_names(handler: RequestHandler, token_ids: list[int], as_token_ids: bool) -> list[str]:
+    """Tokens as logprob records show them: `token_id:N` (vLLM's `return_tokens_as_token_ids`) or their text."""
+    return [f"token_id:{t}" for t in token_ids] if as_token_ids else handler.token_pieces(token_ids)
+
+
+def _alternatives(handler: RequestHandler, top_ids, top_logprobs, as_token_ids: bool) -> list[list[tuple[str, float]]]:
     """Each position's (token as logprob records show it, log-prob) pairs, best first."""
-    names = {t: token_string(tokenizer, t, as_token_ids) for t in set(top_ids.flatten().tolist())}
-    return [[(names[t], lp) for t, lp in zip(ids, lps)] for ids, lps in zip(top_ids.tolist(), top_logprobs.tolist())]
+    rows = top_ids.tolist()
+    names = iter(_token_names(handler, [t for row in rows for t in row], as_token_ids))
+    return [[(next(names), lp) for lp in lps] for lps in top_logprobs.tolist()]
 
 
 def _completion_logprobs_wanted(request: CompletionRequest) -> bool:
@@ -289,7 +312,7 @@ async def _chat_chunks(handler: RequestHandler, request: ChatCompletionRequest, 
     completion_tokens = 0
     async for delta in stream_deltas(handler, request, [job]):
         completion_tokens += len(delta.token_ids)
-        logprobs = chat_logprobs(handler.tokenizer, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids).model_dump() if with_logprobs else None
+        logprobs = chat_logprobs(handler, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids).model_dump() if with_logprobs else None
         content = {"content": delta.text} if delta.text else {}
         choice = {"index": delta.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         chunk = {**head, "choices": [_finish_fields(choice, delta, request)]}
@@ -311,8 +334,8 @@ async def _completion_chunks(handler: RequestHandler, request: CompletionRequest
         logprobs = None
         if with_logprobs:
             offset = token_chars.get(delta.index, 0)
-            record = completion_logprobs(handler.tokenizer, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids, offset)
-            token_chars[delta.index] = offset + sum(len(p) for p in handler.tokenizer.batch_decode([[t] for t in delta.token_ids]))
+            record = completion_logprobs(handler, delta.token_ids, delta.logprobs, request.return_tokens_as_token_ids, offset)
+            token_chars[delta.index] = offset + sum(len(p) for p in handler.token_pieces(delta.token_ids))
             logprobs = record.model_dump()
         choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None and request.return_token_ids:

@@ -53,6 +53,15 @@ class RequestHandler:
         # cannot fit in max_seq_len tokens: refused before tokenizing (which costs memory and time).
         self.chars_per_token = max(len(t or "") for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
         self.max_prompt_chars = config.max_seq_len * self.chars_per_token
+        self._pieces: dict[int, str] = {}
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token's text decoded alone, as logprob records show it; cached per id (transformers'
+        decode costs tens of microseconds a call, and a response has thousands of tokens)."""
+        missing = list({t for t in token_ids if t not in self._pieces})
+        if missing:
+            self._pieces.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing])))
+        return [self._pieces[t] for t in token_ids]
 
     # -------------------------------------------------------------------------------------- requests
 
@@ -240,9 +249,11 @@ class RequestHandler:
         entries: PromptLogprobs = [None]
         for t in range(len(prompt) - 1):
             token = prompt[t + 1]
-            entry = {token: Logprob(logprob=float(scores.logprobs[t]), rank=int(scores.ranks[t]), decoded_token=self.tokenizer.decode([token]))}
-            for rank, (alt, lp) in enumerate(zip(scores.top_ids[t].tolist(), scores.top_logprobs[t].tolist()), start=1):
-                entry.setdefault(alt, Logprob(logprob=float(lp), rank=rank, decoded_token=self.tokenizer.decode([alt])))
+            (piece,) = self.token_pieces([token])
+            entry = {token: Logprob(logprob=float(scores.logprobs[t]), rank=int(scores.ranks[t]), decoded_token=piece)}
+            alternatives = scores.top_ids[t].tolist()
+            for rank, (alt, lp, alt_piece) in enumerate(zip(alternatives, scores.top_logprobs[t].tolist(), self.token_pieces(alternatives)), start=1):
+                entry.setdefault(alt, Logprob(logprob=float(lp), rank=rank, decoded_token=alt_piece))
             entries.append(entry)
         return entries
 

@@ -326,8 +326,3 @@ def truncate_at_stop(
     start, stop = min((prefix_text.find(s), s) for s in stop_strings if s in prefix_text)
     end = start + len(stop) if include_stop_str else start
     return lo, prefix_text[:end], stop
-
-
-def token_string(tokenizer, token_id: int, as_token_id: bool) -> str:
-    """A token as logprob records show it: `token_id:N` (vLLM's `return_tokens_as_token_ids`) or its text."""
-    return f"token_id:{token_id}" if as_token_id else tokenizer.decode([token_id])
