@@ -1,4 +1,4 @@
-"""kill -9 of `marin-rl train` at three random moments, resumed each time, against uninterrupted runs.
+"""kill -9 of `marin-rl train` at three random moments, resumed each time, against an uninterrupted run.
 
 A deterministic run (`deterministic: true`) killed and resumed must end with the same parameters and
 optimizer state as an uninterrupted one, and log the same per-step metrics, one line per step; every
@@ -26,7 +26,7 @@ from marin_rl.testing import QUICK_RUN, run_command
 
 pytestmark = pytest.mark.slow
 
-MAX_STEPS = 24
+MAX_STEPS = 15  # three kills need 12: each comes within KILL_WITHIN_STEPS of a checkpoint every 3
 FLUSH_WINDOW = 64
 KILL_WITHIN_STEPS = 5
 """Each kill comes at most this many steps past the checkpoint it resumed from (or the start)."""
@@ -99,16 +99,10 @@ def same_file(a: Path, b: Path) -> bool:
 @pytest.mark.parametrize("config", list(RUNS))
 def test_killed_and_resumed_deterministic_run_equals_uninterrupted_ones(tmp_path, config):
     env, args = RUNS[config], args_of(config)
-    # --- two uninterrupted runs with the same seed (in this process)
-    references = []
-    for name in ("a", "b"):
-        train(load_config(args[0], [*args[1:], f"--run_dir={tmp_path / name}"]))
-        references.append(tmp_path / name)
-    a, b = references
-    assert [reproducible(r) for r in lines(a / "metrics.jsonl")] == [reproducible(r) for r in lines(b / "metrics.jsonl")]
+    # --- an uninterrupted run (in this process); the killed run below, in other processes, must equal it
+    a = tmp_path / "a"
+    train(load_config(args[0], [*args[1:], f"--run_dir={a}"]))
     final = f"checkpoints/step-{MAX_STEPS}"
-    for name in ("model.eqx", "opt_state.eqx"):
-        assert same_file(a / final / name, b / final / name)
     # Exact numerics (on with deterministic): the learner's log-probs are the server's, bit for bit.
     steps = [r for r in lines(a / "metrics.jsonl") if r["step"] > 0]
     assert steps and all(r[f"mismatch/{env}/max_abs_diff"] == 0.0 and r[f"mismatch/{env}/tokens"] > 0 for r in steps)
