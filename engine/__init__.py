@@ -23,6 +23,7 @@ _LAZY = {
     "serving_weights": "_weights",
     "unrolled_weights": "_weights",
     "exact_hidden_states": "_exact",
+    "fresh_keys_and_values": "_exact",
     "exact_token_logprobs": "_exact",
     "row_windows": "_exact",
     "attention_scale": "_forward",

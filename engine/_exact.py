@@ -16,8 +16,10 @@ Levanter's own layer modules do the work (norms, projections, rotary embeddings,
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable, Sequence
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -95,31 +97,57 @@ def _finish_layer(layer, x, attention):
     return (x + out).rearrange(_TILE_AXES).array
 
 
-# (layer index, k [n, kv_heads, head], v) -> (keys, values) `[kv_heads, tokens, head]` the windows index
-KeysAndValues = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+# (k [n, kv_heads, head], v, layer_cache, shared) -> ((keys, values) `[kv_heads, tokens, head]` the windows
+# index, the layer's new cache): one layer's keys and values stored; `layer_cache` is that layer's arrays
+# (its KV pages, or None), `shared` the arrays every layer reads.
+KeysAndValues = Callable[[jax.Array, jax.Array, Any, Any], tuple[tuple[jax.Array, jax.Array], Any]]
 
 
-def exact_hidden_states(weights, layout: ExactLayout, token_ids, positions, windows, lengths, keys_and_values: KeysAndValues, scale: float):
-    """Hidden states `[n, embed]` (before the final norm) of tokens `[n]` at `positions` `[n]`.
+def fresh_keys_and_values(k, v, layer_cache, shared):
+    """`KeysAndValues` of a pass without a KV cache: the windows index the fresh keys and values."""
+    return (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)), None
+
+
+def exact_hidden_states(
+    weights,
+    layout: ExactLayout,
+    token_ids,
+    positions,
+    windows,
+    lengths,
+    keys_and_values: KeysAndValues,
+    scale: float,
+    layer_caches: Sequence[Any],
+    shared: Any = None,
+):
+    """Hidden states `[n, embed]` (before the final norm) of tokens `[n]` at `positions` `[n]`, and each
+    layer's cache as `keys_and_values` returns it.
 
     `windows` `[n, context]`: where each token's sequence keeps its keys, from its first token on;
     `lengths` `[n]`: how many of them it sees (its position + 1). `keys_and_values` takes each layer's
-    fresh keys and values of the `n` tokens (to store them) and returns the arrays the windows index."""
-    tile = layout.tile
-    x = tiled(lambda ids: weights.embeddings.embed(hax.named(ids, ("position",))).rearrange(_TILE_AXES).array, tile, token_ids)
-    for i, layer in enumerate(weights.layers):
-        q, k, v = tiled(lambda x, p, layer=layer: _queries_keys_values(layer, x, p), tile, x, positions)
-        keys, values = keys_and_values(i, k, v)
-        attention = tiled(
-            lambda q, k, v, n: _window_attention(q, k, v, n, scale),
-            tile,
-            q,
-            windows,
-            lengths,
-            gather=lambda q, w, n: (q, keys[:, w], values[:, w], n),
-        )
-        x = tiled(lambda x, a, layer=layer: _finish_layer(layer, x, a), tile, x, attention)
-    return x
+    fresh keys and values of the `n` tokens (to store them) and returns the arrays the windows index.
+    Each layer is one call of a jitted function, traced once (as `_forward.hidden_states`)."""
+    x = tiled(lambda ids: weights.embeddings.embed(hax.named(ids, ("position",))).rearrange(_TILE_AXES).array, layout.tile, token_ids)
+    layer = eqx.filter_jit(functools.partial(_exact_layer, keys_and_values, layout.tile, scale))
+    new_caches = []
+    for module, cache in zip(weights.layers, layer_caches, strict=True):
+        x, cache = layer(module, x, positions, windows, lengths, cache, shared)
+        new_caches.append(cache)
+    return x, tuple(new_caches)
+
+
+def _exact_layer(keys_and_values: KeysAndValues, tile: int, scale: float, layer, x, positions, windows, lengths, cache, shared):
+    q, k, v = tiled(lambda x, p: _queries_keys_values(layer, x, p), tile, x, positions)
+    (keys, values), cache = keys_and_values(k, v, cache, shared)
+    attention = tiled(
+        lambda q, k, v, n: _window_attention(q, k, v, n, scale),
+        tile,
+        q,
+        windows,
+        lengths,
+        gather=lambda q, w, n: (q, keys[:, w], values[:, w], n),
+    )
+    return tiled(lambda x, a: _finish_layer(layer, x, a), tile, x, attention), cache
 
 
 def _log_softmax_parts(weights, x):

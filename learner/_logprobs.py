@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl.engine import ExactLayout, attention_scale, exact_hidden_states, exact_token_logprobs, row_windows, unrolled_weights
+from marin_rl.engine import ExactLayout, attention_scale, exact_hidden_states, exact_token_logprobs, fresh_keys_and_values, row_windows, unrolled_weights
 from marin_rl.learner._loss import scored_tokens
 from marin_rl.rl_example import BATCH_AXIS, POS_AXIS, RlExample
 
@@ -119,9 +119,9 @@ def exact_sequence_logprobs(
         flat_positions = positions.reshape(-1)
         starts = jnp.arange(rows * length, dtype=jnp.int32) - flat_positions  # each token's segment starts here
         windows = row_windows(starts, flat_positions, layout.context)
-        keys_values = lambda i, k, v: (jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1))  # noqa: E731
-        hidden = exact_hidden_states(
-            weights, layout, ids.reshape(-1), flat_positions, windows, flat_positions + 1, keys_values, attention_scale(weights)
+        hidden, _ = exact_hidden_states(
+            weights, layout, ids.reshape(-1), flat_positions, windows, flat_positions + 1, fresh_keys_and_values, attention_scale(weights),
+            [None] * len(weights.layers),
         )
         # The causal shift as in `sequence_logprobs`: position t scores token t + 1.
         next_ids = jnp.roll(ids, -1, axis=1).reshape(-1)
