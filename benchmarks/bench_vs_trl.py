@@ -79,6 +79,9 @@ def summary(
 
 def run_marin(args, checkpoint: str | None) -> dict:
     os.environ["USE_TORCH"] = "0"  # as `marin-rl train` runs: transformers without torch
+    from marin_rl.compiles import set_default_xla_flags
+
+    set_default_xla_flags()  # as `marin-rl train` does, before JAX starts its backend
     import jax
 
     from marin_rl.config import load_config

@@ -187,9 +187,11 @@ class EngineCore:
             for slots_used in slots_buckets(config.max_seqs) if config.precompile_decode else ():
                 calls.append((self._decode, (self.kernels, config.decode_steps, slots_used, truncate)))
         # XLA compiles without the interpreter lock: the shapes compile side by side, then each runs once
-        # (finding its executable compiled), which is what `compiled_variants` counts. A quarter of the
-        # cores: the learner compiles beside it (on 2 CPU cores two threads took 7.0 s where one took 6.1).
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), (os.cpu_count() or 1) // 4))) as pool:
+        # (finding its executable compiled), which is what `compiled_variants` counts. All cores but four,
+        # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12
+        # threads took the 0.5B run's start-up compile from 98 to 68 s; on 2 CPU cores one thread (two
+        # took 7.0 s where one took 6.1).
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), (os.cpu_count() or 1) - 4))) as pool:
             list(pool.map(lambda call: call[0].lower(self._leaves, self._cache, self._state, *call[1]).compile(), calls))
         for fn, args in calls:
             with self._lock:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from marin_rl import rollouts_cli
+from marin_rl.compiles import set_default_xla_flags
 from marin_rl.errors import ConfigError, PermanentError, RunDirError
 
 USAGE_ERROR = 2
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = rest
     # transformers imports torch when it is installed (2 s of start-up); nothing here uses it.
     os.environ.setdefault("USE_TORCH", "0")
+    set_default_xla_flags()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

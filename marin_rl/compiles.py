@@ -19,6 +19,21 @@ CACHE_MAX_BYTES = 16 * 2**30
 on a GPU are tens of MB each)."""
 
 
+DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+"""XLA options of every run. Triton GEMM fusions off: while compiling, XLA:GPU autotunes dozens of Triton
+kernels for each matmul of each program, and cuBLAS runs them as fast here (docs/performance.md)."""
+
+
+def set_default_xla_flags() -> None:
+    """Add `DEFAULT_XLA_FLAGS` to `XLA_FLAGS`, which JAX reads when it starts its backend (so: before
+    the first computation). A flag the user's `XLA_FLAGS` already sets is left as they set it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in DEFAULT_XLA_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
 class CompileCounter:
     """Counts the compilations of this process while entered (every thread's): how many, their seconds
     (XLA's, and the tracing and lowering to MLIR before it, which hold the interpreter lock),

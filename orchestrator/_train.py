@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from marin_rl.compiles import CompileCounter
+from marin_rl.compiles import CompileCounter, set_default_xla_flags
 from marin_rl.config import TrainConfig, dump_config
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Shutdown, StepInfo
 from marin_rl.orchestrator._preflight import RUN_CONFIG, CheckedRun, check_run, check_run_dir, holds_run
@@ -52,6 +52,7 @@ def train(
     is raised after that checkpoint.
 
     `checked` is `check_run(config)`'s result when the caller already ran the checks."""
+    set_default_xla_flags()  # in effect unless JAX has started its backend already
     stop = stop or threading.Event()
     checked = checked or check_run(config, resume=resume)
     run_dir, created = prepare_run_dir(config, resume)
