@@ -18,6 +18,7 @@ import threading
 import uuid
 from dataclasses import replace
 
+from marin_rl.compiles import set_default_xla_flags
 from marin_rl.types import Rollout
 
 NOT_SERVING = -1
@@ -32,6 +33,7 @@ def _cpu_only() -> None:
 class ServerActor:
     def __init__(self, server_config, model_config, vocab_size: int, tokenizer: str, *, port: int, gpu: bool):
         """`model_config` is the learner's Levanter model config: weights arrive as its parameters."""
+        set_default_xla_flags()  # as `marin-rl train` and `serve` run, before JAX starts here
         if not gpu:
             _cpu_only()
         self.instance = uuid.uuid4().hex  # a restarted actor is a new instance

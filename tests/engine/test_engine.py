@@ -367,3 +367,42 @@ def test_the_core_stepped_by_hand_serves_what_the_threaded_engine_serves():
     for by_hand, by_thread in zip([j.future.result() for j in stepped], threaded):
         assert [s.token_ids for s in by_hand.samples] == [s.token_ids for s in by_thread.samples]
         np.testing.assert_allclose([s.logprobs for s in by_hand.samples], [s.logprobs for s in by_thread.samples], atol=1e-5)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_each_compiled_shape_traces_one_layer_whatever_the_depth(monkeypatch, exact):
+    """The layers are one jitted function: tracing a decode or prefill shape runs a layer's Python as
+    often for 3 layers as for 1 (tracing each of 24 layers cost seconds per shape on the GPU host)."""
+    from marin_rl.engine import _exact, _forward
+    from marin_rl.engine._core import EngineCore
+    from marin_rl.engine._decode import PrefillBatch
+
+    traced = []
+
+    def counting(original):
+        return lambda *args, **kw: traced.append(1) or original(*args, **kw)
+
+    monkeypatch.setattr(_forward, "attention_qkv", counting(_forward.attention_qkv))
+    monkeypatch.setattr(_exact, "attention_qkv", counting(_exact.attention_qkv))
+    engine_config = dataclasses.replace(CONFIG, exact_numerics=exact)
+
+    def layer_traces(num_layers: int):
+        config = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8, seq_len=SEQ_LEN)
+        model = build_model(config, VOCAB, key=jax.random.PRNGKey(0))
+        core = EngineCore(engine_config, model)
+        traced.clear()
+        core._decode.trace(core._leaves, core._cache, core._state, core.kernels, CONFIG.decode_steps, 8, False)
+        decode = len(traced)
+        core._prefill.trace(core._leaves, core._cache, core._state, PrefillBatch(**core.scheduler.empty_batch(4, 16)), core.kernels, False)
+        return model, (decode, len(traced) - decode)
+
+    _, shallow = layer_traces(1)
+    model, deep = layer_traces(3)
+    assert deep == shallow and min(deep) >= 1
+    # The program still runs every layer: greedy decoding equals the whole-sequence reference.
+    engine = Engine(engine_config, model)
+    try:
+        result = run(engine, [job([3, 1, 4, 1, 5], max_tokens=6, temperature=0.0)])[0]
+    finally:
+        engine.stop()
+    assert result.samples[0].token_ids == greedy_reference(model, [3, 1, 4, 1, 5], 6)
