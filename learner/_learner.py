@@ -24,6 +24,7 @@ from marin_rl.engine import ExactLayout
 from marin_rl.errors import naming_full_disk
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
+from marin_rl.learner._lora import add_adapters, merged_model, trainable_params
 from marin_rl.learner._mesh import LearnerMesh
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
@@ -79,12 +80,17 @@ class Learner:
             model = load_hf_model(model_config.hf_checkpoint, model_config, tokenizer=tokenizer)
         else:
             model = build_model(model_config, vocab_size or len(tokenizer), key=init_key)
+        if config.lora.rank:
+            if exact is not None:
+                raise ValueError("LoRA (learner.lora.rank > 0) with exact numerics is not supported: the engine serves merged weights")
+            init_key, lora_key = jax.random.split(init_key)
+            model = add_adapters(model, config.lora, key=lora_key)
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
         # Eager, not jitted: a compiled init may return one buffer for equal zero leaves, and this state is
         # donated to every step.
-        self._opt_state = self._place(optimizer.init(eqx.filter(self.model, eqx.is_inexact_array)))
+        self._opt_state = self._place(optimizer.init(trainable_params(self.model)))
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
@@ -92,6 +98,12 @@ class Learner:
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
         lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
         self.matmul_params = params - lookup
+
+    @property
+    def policy_model(self) -> LmHeadModel:
+        """The current policy as a plain model of the base architecture (adapters merged): what engines,
+        remote servers and exports get."""
+        return merged_model(self.model) if self.config.lora.rank else self.model
 
     # --- training -------------------------------------------------------------------------------------
 
@@ -200,7 +212,7 @@ class Learner:
         dtype = jnp.dtype(self.config.export_dtype)
         path = self.run_dir / HF_DIR / f"step-{step}"
         with naming_full_disk(path):
-            return save_hf_model(self.model, self.tokenizer, path, dtype=dtype)
+            return save_hf_model(self.policy_model, self.tokenizer, path, dtype=dtype)
 
 
 # Module level, with the configs as static arguments, so learners with equal configs share compilations.
@@ -213,8 +225,7 @@ def _train_step(inputs, opt_state):
         model, example, config=config, compute_dtype=dtype, reference=reference, key=key, exact=exact
     )
     optimizer, schedule = build_optimizer(config.optimizer)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates, opt_state = optimizer.update(grads, opt_state, trainable_params(model))
     model = eqx.apply_updates(model, updates)
     if mesh is not None:  # keep the placement the step was compiled for (else the next step recompiles)
         model, opt_state = mesh.place_params((model, opt_state))

@@ -18,6 +18,7 @@ from levanter.models.lm_model import LmHeadModel
 from marin_rl.engine import ExactLayout
 from marin_rl.learner._config import LearnerConfig
 from marin_rl.learner._logprobs import exact_sequence_logprobs, sequence_logprobs
+from marin_rl.learner._lora import trainable_params, trainable_spec
 from marin_rl.learner._loss import LOSS_METRICS, LossInputs, aggregation_weights, policy_loss, scored_tokens
 from marin_rl.learner._model import cast_floating
 from marin_rl.rl_example import BATCH_AXIS, PADDING_SEGMENT_ID, POS_AXIS, RlExample
@@ -33,7 +34,7 @@ def loss_and_gradients(
     key=None,
     exact: ExactLayout | None = None,
 ):
-    """(loss, gradients with the structure of `eqx.filter(model, eqx.is_inexact_array)`, metrics, log-probs).
+    """(loss, gradients with the structure of `trainable_params(model)`, metrics, log-probs).
 
     The model runs in `compute_dtype` (its float32 parameters get float32 gradients). With
     `config.loss.beta > 0`, reference log-probs are the example's, or else computed with `reference`.
@@ -80,7 +81,10 @@ def loss_and_gradients(
             logp, entropy = sequence_logprobs(model, *named, vocab_block_size=config.vocab_block_size, key=key)
         return logp.array, entropy.array
 
-    def loss_fn(model, tokens, inputs, key):
+    trained, frozen = eqx.partition(model, trainable_spec(model))
+
+    def loss_fn(trained, tokens, inputs, key):
+        model = eqx.combine(trained, frozen)
         logp, entropy = logprobs(cast_floating(model, compute_dtype), tokens, key, exact)
         loss, metrics = policy_loss(logp, entropy, inputs, config.loss)
         return loss, (metrics, jax.lax.stop_gradient(logp))
@@ -91,11 +95,11 @@ def loss_and_gradients(
         if config.loss.beta > 0 and mb_inputs.reference_logprobs is None:
             ref_logp, _ = logprobs(reference, mb_tokens, None)
             mb_inputs = dataclasses.replace(mb_inputs, reference_logprobs=jax.lax.stop_gradient(ref_logp))
-        (loss, (metrics, logp)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, mb_tokens, mb_inputs, mb_key)
+        (loss, (metrics, logp)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(trained, mb_tokens, mb_inputs, mb_key)
         add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
         return (add(grads_sum, grads), loss_sum + loss, add(metrics_sum, metrics)), logp
 
-    zero_grads = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    zero_grads = jax.tree.map(jnp.zeros_like, trainable_params(model))
     zero_metrics = {name: jnp.zeros((), jnp.float32) for name in LOSS_METRICS}
     init = (zero_grads, jnp.zeros((), jnp.float32), zero_metrics)
     (grads, loss, metrics), logp = jax.lax.scan(accumulate, init, (microbatches, keys))

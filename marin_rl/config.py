@@ -245,6 +245,11 @@ class TrainConfig:
                 raise ValueError("exact_numerics: true needs runtime local (its engines are the embedded ones)")
         elif not self.placement.engines and not self.broadcaster.remote_servers:
             raise ValueError("placement.server_devices is [] and broadcaster.remote_servers is empty: no server to sample from")
+        if self.learner.lora.rank and self.exact:
+            raise ValueError(
+                "learner.lora.rank > 0 with exact numerics (deterministic: true turns them on) is not supported: the "
+                "engines serve the merged weights, whose bits differ from the adapted model's; set exact_numerics: false"
+            )
 
     @property
     def embedded_devices(self) -> list[int]:
