@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import equinox as eqx
+import haliax as hax
 import jax
 from levanter.lora import LoraConfig as LevanterLoraConfig
-import haliax as hax
 from levanter.lora import LoraLinear, is_lora_param, loraize
 
 from marin_rl.learner._config import LoraConfig
