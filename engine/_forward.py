@@ -204,6 +204,7 @@ def prompt_logprobs(weights: ServingWeights, kernels: AttentionKernels, token_id
             [None] * len(weights.layers),
         )
         return exact_log_softmax(weights, kernels.exact, hidden).reshape(p, t, -1)
+
     def attend(q, k, v, _, lengths):
         return prefill_attention(kernels, q, k, v, lengths, scale), None
 

@@ -192,7 +192,8 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
 def _add_hooks(run: Run, metrics_log: MetricsLog, progress: ProgressLine) -> None:
     """The loop's periodic work, in the order it runs within a phase."""
     config, learner, hooks = run.config, run.learner, run.hooks
-    hooks.add(lambda info: info.metrics.update(run.broadcaster.maybe_broadcast(learner.policy_model, info.step)), every=1, phase=LEARNED)  # each k-th version
+    # Only at the k-th versions: with LoRA, `policy_model` merges the adapters (a pass over the weights).
+    hooks.add(lambda info: info.metrics.update(run.broadcaster.maybe_broadcast(learner.policy_model, info.step)), every=config.broadcaster.every_k_steps, phase=LEARNED)
     hooks.add(lambda info: _measure(run, info), every=1, phase=MEASURED)
     hooks.add(lambda info: info.metrics.update(_timed_eval(run.workers, info.step)), every=config.eval_every, phase=MEASURED)
 
