@@ -506,8 +506,11 @@ def test_a_client_that_closes_the_stream_cancels_its_job():
             time.sleep(0.01)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{server.config.port}/v1/chat/completions", json=body, timeout=30) as response:
-            assert next(response.iter_lines()).startswith("data: ")  # the role: the job is in the engine
-        deadline = time.monotonic() + 30
+            assert next(response.iter_lines()).startswith("data: ")  # the role, sent before the job is submitted
+            deadline = time.monotonic() + 30
+            while not worker.jobs and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(worker.jobs) == 1
         while not worker.jobs[0].future.cancelled() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.jobs[0].future.cancelled()
