@@ -60,10 +60,13 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def load_checkpoint(path: Path, *, model_like, opt_state_like):
+def load_checkpoint(path: Path, *, model_like, opt_state_like, check_state=None):
     """(model, opt_state, state dict) of the checkpoint at `path`; the `*_like` trees give structure and
-    shapes (the current model and optimizer state)."""
+    shapes (the current model and optimizer state). `check_state(state)` may refuse it (raise) before
+    any array is read."""
     state = json.loads((path / STATE_FILE).read_text())
+    if check_state is not None:
+        check_state(state)
     try:
         model = eqx.tree_deserialise_leaves(path / MODEL_FILE, model_like)
         opt_state = eqx.tree_deserialise_leaves(path / OPT_STATE_FILE, opt_state_like)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -30,3 +32,20 @@ def replace_dir(src: Path, dst: Path) -> None:
     os.rename(src, dst)
     if old is not None:
         shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def directory_written_atomically(path: Path) -> Iterator[Path]:
+    """Yields a temporary sibling of `path` to fill; then fsyncs it and renames it to `path` (replacing
+    what was there), or removes it if the block raised: `path` is whole or as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

@@ -24,7 +24,7 @@ from marin_rl.engine import ExactLayout
 from marin_rl.errors import naming_full_disk
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
-from marin_rl.learner._lora import add_adapters, merged_model, trainable_params
+from marin_rl.learner._lora import add_adapters, base_fingerprint, merged_model, save_peft_adapter, trainable_params, with_frozen_base_in
 from marin_rl.learner._mesh import LearnerMesh
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 HF_DIR = "hf"
+PEFT_DIR = "peft"
 CHECKPOINT_FORMAT = 1
 
 
@@ -43,9 +44,11 @@ class Learner:
 
     - `step(example)` takes one optimizer step and returns its metrics.
     - `policy_version` is the number of optimizer steps taken.
-    - `model` is the current model (float32 parameters). Its arrays are never donated to the step, so
+    - `model` is the current model (float32 parameters; with LoRA, float32 adapters on a frozen base
+      stored in the compute dtype). Its arrays are never donated to the step, so
       whoever holds it (a colocated inference server) can keep using it after later steps.
-    - `save_checkpoint()` / `restore_latest()` / `export_hf()` write under `run_dir`.
+    - `save_checkpoint()` / `restore_latest()` / `export()` (`export_hf()`, `export_peft()`) write under
+      `run_dir`.
     - `last_logprobs` holds the learner's log-prob of every token of the last step's batch (before its
       update), to compare with the behaviour log-probs.
     """
@@ -84,7 +87,7 @@ class Learner:
             if exact is not None:
                 raise ValueError("LoRA (learner.lora.rank > 0) with exact numerics is not supported: the engine serves merged weights")
             init_key, lora_key = jax.random.split(init_key)
-            model = add_adapters(model, config.lora, key=lora_key)
+            model = with_frozen_base_in(add_adapters(model, config.lora, key=lora_key), compute_dtype(model_config))
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
@@ -94,6 +97,7 @@ class Learner:
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
+        self._base: dict | None = None  # with LoRA: which base the adapters belong to (made on first use)
         # N of the 6N FLOPs-per-token count: every parameter in a matmul (the input embedding lookup is not one).
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
         lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
@@ -178,10 +182,12 @@ class Learner:
             "config_hash": _hash(record),
             "config": record,
         }
+        if self.config.lora.rank:  # the adapters alone, and which base they go on
+            state["base"] = self._base_identity()
         return save_checkpoint(
             self.checkpoints_dir,
             self.policy_version,
-            model=self.model,
+            model=trainable_params(self.model) if self.config.lora.rank else self.model,
             opt_state=self._opt_state,
             state=state,
             keep=self.config.keep_checkpoints,
@@ -194,9 +200,14 @@ class Learner:
         if not checkpoints:
             return None
         path = checkpoints[-1]
-        model, opt_state, state = load_checkpoint(path, model_like=self.model, opt_state_like=self._opt_state)
+        lora = bool(self.config.lora.rank)
+        model_like = trainable_params(self.model) if lora else self.model
+        check_base = (lambda state: self._check_base(path, state.get("base"))) if lora else None
+        model, opt_state, state = load_checkpoint(path, model_like=model_like, opt_state_like=self._opt_state, check_state=check_base)
         if state["config_hash"] != _hash(self._config_record()):
             logger.warning("checkpoint %s was written with another config: %s", path, state["config"])
+        if lora:
+            model = eqx.combine(model, self.model)  # the saved adapters on this (the same) base
         self.model, self._opt_state = self._place(model), self._place(opt_state)
         self.policy_version = state["policy_version"]
         key_data = jnp.asarray(state["rng_key"], dtype=jnp.uint32)
@@ -204,6 +215,43 @@ class Learner:
         self._key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(self._key)) if typed else key_data
         logger.info("restored %s (policy version %d)", path, self.policy_version)
         return state.get("run", {})
+
+    def _base_identity(self) -> dict:
+        if self._base is None:
+            self._base = {"hf_checkpoint": self.model_config.hf_checkpoint, "fingerprint": base_fingerprint(self.model)}
+        return self._base
+
+    def _check_base(self, path: Path, saved: dict | None) -> None:
+        """ValueError unless the checkpoint at `path` holds adapters for this learner's base."""
+        if saved is None:
+            raise ValueError(f"checkpoint {str(path)!r} holds a whole model, not LoRA adapters: it was written with learner.lora.rank 0")
+        ours = self._base_identity()
+        if saved["hf_checkpoint"] != ours["hf_checkpoint"]:
+            raise ValueError(
+                f"checkpoint {str(path)!r} holds adapters for the base model.hf_checkpoint={saved['hf_checkpoint']!r}, "
+                f"this run's is {ours['hf_checkpoint']!r}"
+            )
+        if not np.allclose(saved["fingerprint"], ours["fingerprint"], rtol=1e-5):
+            raise ValueError(
+                f"checkpoint {str(path)!r} holds adapters for other base weights than this run's (model.hf_checkpoint="
+                f"{ours['hf_checkpoint']!r}; a random base differs with the seed or the model's shape)"
+            )
+
+    def export(self) -> list[Path]:
+        """The run's exports at this policy version: Hugging Face weights (adapters merged), and with LoRA
+        the PEFT adapter too."""
+        return [self.export_hf(), *([self.export_peft()] if self.config.lora.rank else [])]
+
+    def export_peft(self, step: int | None = None) -> Path:
+        """Write the adapters as a PEFT adapter directory to `RUN/peft/step-N/` (N = `step`, default the
+        policy version), which `peft` loads onto the Hugging Face base (`model.hf_checkpoint`, recorded as
+        its `base_model_name_or_path`); returns its path. Only with LoRA."""
+        if not self.config.lora.rank:
+            raise ValueError("export_peft needs LoRA adapters (learner.lora.rank > 0)")
+        step = self.policy_version if step is None else step
+        path = self.run_dir / PEFT_DIR / f"step-{step}"
+        with naming_full_disk(path):
+            return save_peft_adapter(self.model, self.config.lora, self.model_config.hf_checkpoint, path, self.tokenizer)
 
     def export_hf(self, step: int | None = None) -> Path:
         """Write the current model as a Hugging Face checkpoint to `RUN/hf/step-N/` (N = `step`, default the

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import equinox as eqx
@@ -23,7 +21,7 @@ from levanter.models.qwen import Qwen3Config, QwenConfig
 
 from marin_rl.learner._attention import use_jax_nn_attention
 from marin_rl.learner._config import ModelConfig
-from marin_rl.learner._files import fsync_tree, replace_dir
+from marin_rl.learner._files import directory_written_atomically
 
 _LEVANTER_CONFIGS: dict[str, type[LlamaConfig]] = {"llama": LlamaConfig, "qwen2": QwenConfig, "qwen3": Qwen3Config}
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -155,11 +153,7 @@ def save_hf_model(model: LmHeadModel, tokenizer, path: str | os.PathLike, *, dty
 
     `dtype` casts floating-point weights (e.g. `jnp.bfloat16`); None keeps float32. Returns `path`.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    try:
+    with directory_written_atomically(Path(path)) as tmp:
         hf_config = model.config.to_hf_config(vocab_size=model.Vocab.size)
         hf_config.architectures = [_HF_ARCHITECTURES[hf_config.model_type]]
         hf_config.dtype = str(jnp.dtype(dtype or jnp.float32))
@@ -172,9 +166,4 @@ def save_hf_model(model: LmHeadModel, tokenizer, path: str | os.PathLike, *, dty
         save_state_dict(state_dict, str(tmp / SAFETENSORS_FILE))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        fsync_tree(tmp)
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path)

@@ -168,7 +168,8 @@ class TrainConfig:
     """Evaluate every env's held-out problems every this many steps (and before the first step);
     None: never. Metrics `eval/{env}/...` go to metrics.jsonl and the plots."""
     export_hf_every: int | None = None
-    """Also export Hugging Face weights to RUN/hf/step-N/ every this many steps; None: only at the end."""
+    """Also export Hugging Face weights to RUN/hf/step-N/ (and with LoRA the PEFT adapter to
+    RUN/peft/step-N/) every this many steps; None: only at the end."""
     max_buffered_batches: float = 2.0
     """Env workers pause while their buffer holds this many batches' worth of the env's share: on a
     shared machine, rollouts generated further ahead would only grow stale."""
@@ -255,6 +256,7 @@ class TrainConfig:
     def embedded_devices(self) -> list[int]:
         """Device index of each embedded engine (none in the Ray runtime, whose servers are actors)."""
         return [] if self.runtime == "ray" else self.placement.engines
+
     @property
     def exact(self) -> bool:
         """Whether the run uses the exact passes (`exact_numerics`, by default `deterministic`)."""

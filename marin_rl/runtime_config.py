@@ -24,6 +24,10 @@ class PlacementConfig:
     server_devices: list[int] | None = None
     """One embedded inference engine per entry, on that device. None: one, on the learner's first
     device (colocated: they take turns on it). []: none (only `broadcaster.remote_servers`)."""
+    device_memory_gib: float | None = None
+    """Memory of each device the run may use, in GiB: a run whose resident memory (estimated from the
+    config: orchestrator/_memory.py) exceeds it is refused at start, with the numbers. None: what the
+    device reports (a GPU's allocator limit; a CPU reports none, so nothing is checked there)."""
 
     def __post_init__(self):
         for name in ("learner_devices", "server_devices"):
@@ -32,6 +36,8 @@ class PlacementConfig:
                 raise ValueError(f"placement.{name} must be distinct device indices >= 0, got {devices}")
         if not self.learner_devices:
             raise ValueError("placement.learner_devices must name at least one device")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ValueError(f"placement.device_memory_gib must be > 0, got {self.device_memory_gib}")
 
     @property
     def engines(self) -> list[int]:

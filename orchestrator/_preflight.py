@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from marin_rl.config import EnvConfig, TrainConfig
 from marin_rl.errors import ConfigError, RunDirError
+from marin_rl.orchestrator._memory import check_memory, device_memory
 from marin_rl.runtime_config import PlacementConfig
 
 PROBLEMS_MEASURED = 8
@@ -65,6 +66,11 @@ def check_run(config: TrainConfig, *, resume: bool) -> CheckedRun:
     resume_from = check_run_dir(Path(config.run_dir), resume)
     tokenizer = _load_tokenizer(config.tokenizer)
     _check_model(config, len(tokenizer))
+    limits = device_memory(config)
+    if limits:
+        import jax
+
+        check_memory(config, len(tokenizer), backend=jax.default_backend(), device_bytes=limits)
     if config.server.max_seq_len < config.batcher.max_seq_len:
         raise ConfigError(
             f"server.max_seq_len ({config.server.max_seq_len}) is below batcher.max_seq_len "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marin_rl._upstream import device_memory_stats
 from marin_rl.compiles import CompileCounter, enable_compilation_cache
 from marin_rl.config import TrainConfig
 from marin_rl.errors import ConfigError, DiskFull, PermanentError
@@ -209,11 +210,13 @@ def _add_hooks(run: Run, metrics_log: MetricsLog, progress: ProgressLine) -> Non
 
     hooks.add(log, every=1, phase=LOGGED)
     hooks.add(lambda info: run.save_checkpoint(), every=config.checkpoint_every, phase=PERSISTED)
-    hooks.add(lambda info: learner.export_hf(), every=config.export_hf_every, phase=PERSISTED)
+    hooks.add(lambda info: learner.export(), every=config.export_hf_every, phase=PERSISTED)
 
 
 def _measure(run: Run, info: StepInfo) -> None:
     """The step's metrics from every part; warns of a compilation after the first step."""
+    import jax
+
     from marin_rl.replay import DEFAULT_MISMATCH_CAP, mismatch_metrics
 
     config, metrics, seconds = run.config, info.metrics, info.seconds
@@ -245,6 +248,10 @@ def _measure(run: Run, info: StepInfo) -> None:
         names = ", ".join(f"{name} ({s:.1f} s)" for name, s in run.compiles.compiled[run.compiled : counted["compile/count"]])
         logger.warning("step %d compiled %s: a shape not compiled at start", info.step, names)
     run.compiled = counted["compile/count"]
+    for device in sorted({*config.placement.learner_devices, *config.embedded_devices}):  # none on a CPU
+        stats = device_memory_stats(jax.devices()[device]) or {}
+        if "peak_bytes_in_use" in stats:
+            metrics[f"memory/device{device}_peak_gib"] = stats["peak_bytes_in_use"] / 2**30
 
 
 def _final_checkpoint(run: Run, ended_by: BaseException | None) -> None:

@@ -74,7 +74,7 @@ def _train(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Eve
                 raise run.failures[0]
         if shutdown.errors:
             raise shutdown.errors[0]
-    run.learner.export_hf()
+    run.learner.export()
     return TrainResult(run_dir, run.learner.policy_version, stopped_early)
 
 

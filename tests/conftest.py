@@ -36,6 +36,13 @@ def pytest_configure(config):
         os.environ["MARIN_RL_COMPILATION_CACHE"] = config._session_compilation_cache
 
 
+def pytest_collection_modifyitems(items):
+    """Files holding slow tests first. xdist hands out whole files in collection order, so slow files
+    collected last (reliability/, after the quick ones) ran alone on one core while the other idled."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def pytest_unconfigure(config):
     path = getattr(config, "_session_compilation_cache", None)
     if path:
