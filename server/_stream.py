@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from marin_rl.engine import GenerationJob
 from marin_rl.server._handler import RequestHandler, _Choice
-from marin_rl.server._protocol import ApiError, truncate_at_stop
+from marin_rl.server._protocol import ApiError
 
 INCOMPLETE_CHARACTER = "\ufffd"
 """What decoding gives for the first bytes of a multi-byte character whose last byte is not sampled yet."""
@@ -41,6 +41,12 @@ class Delta:
 class _SampleStream:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    """The text of `ids[:read_offset]`, decoded a chunk at a time (vLLM's incremental detokenization)."""
+    prefix_offset: int = 0
+    """Decoding starts here, the chunk before `read_offset`: a tokenizer that drops a word's leading space at
+    the start of a decode drops it from both texts compared, not from the new one."""
+    read_offset: int = 0
     sent_text: str = ""
     sent_tokens: int = 0
     stopped: bool = False
@@ -51,13 +57,23 @@ class _SampleStream:
             return None
         self.ids += ids
         self.logprobs += logprobs
-        _, text, stop = truncate_at_stop(self.ids, decode, stops, False)
-        if stop is not None:
+        searched_from = max(0, len(self.text) - holdback)  # a stop string may end in the new text
+        self._decode_new_tokens(decode)
+        if any(stop in self.text[searched_from:] for stop in stops):
             self.stopped = True
             return None
-        safe = text[: len(text) - holdback].rstrip(INCOMPLETE_CHARACTER)
+        safe = self.text[: len(self.text) - holdback]
         new_text = safe[len(self.sent_text) :] if safe.startswith(self.sent_text) else ""
         return self._send(index, new_text, self.ids[self.sent_tokens :], self.logprobs[self.sent_tokens :])
+
+    def _decode_new_tokens(self, decode) -> None:
+        """Extend `text` by the new tokens' text, decoding them with the previous chunk only (the whole
+        text at every chunk was quadratic in a long completion); wait while a character is incomplete."""
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith(INCOMPLETE_CHARACTER):
+            self.text += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def finish(self, index: int, choice: _Choice, policy_version: int) -> Delta:
         if not choice.text.startswith(self.sent_text):

@@ -453,6 +453,19 @@ def test_text_a_stop_string_may_still_cut_is_never_sent():
     assert "".join(sent) == "abc" and len(sent) > 1  # several deltas, none with "X" or "XY"
 
 
+def test_a_long_stream_decodes_each_token_a_bounded_number_of_times(monkeypatch):
+    """Each chunk's text comes from decoding it with the chunk before, not the whole completion again:
+    400 tokens in chunks of 2 decoded 80,000 tokens when every chunk decoded everything so far."""
+    decoded = []
+    decode = TOKENIZER.decode
+    monkeypatch.setattr(TOKENIZER, "decode", lambda token_ids, **kwargs: decoded.append(len(token_ids)) or decode(token_ids, **kwargs))
+    completion = ids("ab" * 200)
+    config = InferenceServerConfig(max_seqs=4, max_seq_len=512)
+    streamed, _ = streamed_chat(client_for(ScriptedWorker([completion], chunk=2), config), max_tokens=400, stop=["ba!"])
+    assert streamed[0][0] == "ab" * 200 and streamed[0][1] == completion
+    assert 400 <= sum(decoded) <= 8 * 400
+
+
 def test_usage_comes_last_when_asked():
     client = client_for(ScriptedWorker([ids("abc")]))
     chunks = list(chat(client, stream=True, max_tokens=3, n=2, stream_options={"include_usage": True}))
