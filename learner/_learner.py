@@ -97,7 +97,9 @@ class Learner:
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
-        self._base: dict | None = None  # with LoRA: which base the adapters belong to (made on first use)
+        # With LoRA: which base the adapters belong to, saved with each checkpoint. Made here, where its
+        # compilation is start-up's, not a checkpoint step's.
+        self._base = {"hf_checkpoint": model_config.hf_checkpoint, "fingerprint": base_fingerprint(self.model)} if config.lora.rank else None
         # N of the 6N FLOPs-per-token count: every parameter in a matmul (the input embedding lookup is not one).
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
         lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
@@ -183,7 +185,7 @@ class Learner:
             "config": record,
         }
         if self.config.lora.rank:  # the adapters alone, and which base they go on
-            state["base"] = self._base_identity()
+            state["base"] = self._base
         return save_checkpoint(
             self.checkpoints_dir,
             self.policy_version,
@@ -216,16 +218,11 @@ class Learner:
         logger.info("restored %s (policy version %d)", path, self.policy_version)
         return state.get("run", {})
 
-    def _base_identity(self) -> dict:
-        if self._base is None:
-            self._base = {"hf_checkpoint": self.model_config.hf_checkpoint, "fingerprint": base_fingerprint(self.model)}
-        return self._base
-
     def _check_base(self, path: Path, saved: dict | None) -> None:
         """ValueError unless the checkpoint at `path` holds adapters for this learner's base."""
         if saved is None:
             raise ValueError(f"checkpoint {str(path)!r} holds a whole model, not LoRA adapters: it was written with learner.lora.rank 0")
-        ours = self._base_identity()
+        ours = self._base
         if saved["hf_checkpoint"] != ours["hf_checkpoint"]:
             raise ValueError(
                 f"checkpoint {str(path)!r} holds adapters for the base model.hf_checkpoint={saved['hf_checkpoint']!r}, "
