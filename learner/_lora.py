@@ -20,6 +20,7 @@ from levanter.lora import LoraConfig as LevanterLoraConfig
 from levanter.lora import LoraLinear, is_lora_param, loraize, save_peft_pretrained
 
 from marin_rl.learner._files import directory_written_atomically
+from marin_rl.learner._model import cast_floating
 
 from marin_rl.learner._config import LoraConfig
 
@@ -57,8 +58,7 @@ def with_frozen_base_in(model, dtype):
     only ever uses them cast to its compute dtype, so storing them cast changes no result, and a bf16
     run holds its base in half the memory, with no cast of it at every step."""
     trained, frozen = eqx.partition(model, trainable_spec(model))
-    frozen = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, frozen)
-    return eqx.combine(trained, frozen)
+    return eqx.combine(trained, cast_floating(frozen, dtype))
 
 
 @jax.jit
