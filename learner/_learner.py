@@ -189,7 +189,7 @@ class Learner:
         return save_checkpoint(
             self.checkpoints_dir,
             self.policy_version,
-            model=trainable_params(self.model) if self.config.lora.rank else self.model,
+            model=self._checkpointed_part(),
             opt_state=self._opt_state,
             state=state,
             keep=self.config.keep_checkpoints,
@@ -203,9 +203,8 @@ class Learner:
             return None
         path = checkpoints[-1]
         lora = bool(self.config.lora.rank)
-        model_like = trainable_params(self.model) if lora else self.model
         check_base = (lambda state: self._check_base(path, state.get("base"))) if lora else None
-        model, opt_state, state = load_checkpoint(path, model_like=model_like, opt_state_like=self._opt_state, check_state=check_base)
+        model, opt_state, state = load_checkpoint(path, model_like=self._checkpointed_part(), opt_state_like=self._opt_state, check_state=check_base)
         if state["config_hash"] != _hash(self._config_record()):
             logger.warning("checkpoint %s was written with another config: %s", path, state["config"])
         if lora:
@@ -217,6 +216,10 @@ class Learner:
         self._key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(self._key)) if typed else key_data
         logger.info("restored %s (policy version %d)", path, self.policy_version)
         return state.get("run", {})
+
+    def _checkpointed_part(self):
+        """What a checkpoint holds of the model: with LoRA the adapters alone (the base is rebuilt), else all."""
+        return trainable_params(self.model) if self.config.lora.rank else self.model
 
     def _check_base(self, path: Path, saved: dict | None) -> None:
         """ValueError unless the checkpoint at `path` holds adapters for this learner's base."""

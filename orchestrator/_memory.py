@@ -75,7 +75,8 @@ class MemoryPlan:
     parts: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def add(self, device: int, part: str, size: int) -> None:
-        self.parts.setdefault(device, {})[part] = self.parts.get(device, {}).get(part, 0) + int(size)
+        parts = self.parts.setdefault(device, {})
+        parts[part] = parts.get(part, 0) + int(size)
 
     def total(self, device: int) -> int:
         return sum(self.parts.get(device, {}).values())
