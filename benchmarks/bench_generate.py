@@ -44,6 +44,22 @@ def build(size: str, seq_len: int):
     return build_model(config, vocab, key=jax.random.PRNGKey(0))
 
 
+def with_lora(model, rank: int, serving: str):
+    """`model` with trained-looking adapters (B not zero) on every linear layer of its blocks, in bf16 as a
+    LoRA run's frozen base is on a GPU. With `serving` "apply" the engine's merge is switched off (here only),
+    so its forward computes x W + scale x A B at every layer: the alternative to merging, to compare."""
+    import jax.numpy as jnp
+
+    import marin_rl.engine._weights as engine_weights
+    from marin_rl.learner import LoraConfig
+    from marin_rl.learner._lora import with_frozen_base_in
+    from marin_rl.testing import with_trained_adapters
+
+    if serving == "apply":
+        engine_weights.merged = lambda adapted: adapted
+    return with_frozen_base_in(with_trained_adapters(model, LoraConfig(rank=rank), seed=1, scale=0.01), jnp.bfloat16)
+
+
 def jobs_for(concurrency: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
     from marin_rl.engine import GenerationJob
 
@@ -172,6 +188,14 @@ def main() -> None:
     parser.add_argument("--prefill-group", type=int, default=8, help="samples per prompt of the prefill-latency run")
     parser.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # http-process: the client, requests on stdin
     parser.add_argument("--prefill-profile", default=None, help="trace the prefill-latency run into this dir; print its top ops")
+    parser.add_argument("--lora-rank", type=int, default=0, help="serve the model with trained LoRA adapters of this rank (every linear layer)")
+    parser.add_argument(
+        "--lora-serving",
+        default="merge",
+        choices=["merge", "apply"],
+        help="merge: the adapters merged into the engine's weights (what the engine does); apply: kept apart and "
+        "applied in every forward (x W + x A B), measured for comparison",
+    )
     args = parser.parse_args()
     if args.client_of:
         print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read())))))
@@ -189,6 +213,8 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     start = time.perf_counter()
     model = build(args.size, max_len)
+    if args.lora_rank:
+        model = with_lora(model, args.lora_rank, args.lora_serving)
     built = time.perf_counter() - start
     config = InferenceServerConfig(
         max_seqs=max_seqs,
@@ -204,6 +230,9 @@ def main() -> None:
     vocab = SIZES[args.size][-1]
     tokenizer = load_tokenizer("char")  # the HTTP layer needs one; prompts are token ids
     server = PolicyServer(config, model, tokenizer).start()
+    if args.lora_rank:  # a swap of the adapted model: the engine's copy of its weights, adapters merged or not
+        seconds = [server.swap_weights(model, 0).copy_seconds for _ in range(3)]
+        print(f"lora rank {args.lora_rank}, {args.lora_serving}: swap copy seconds {', '.join(f'{s:.3f}' for s in seconds)}")
     del model
     engine = server.engine
     print(

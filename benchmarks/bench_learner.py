@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", default="layer", choices=["layer", "none", "offload", "nested"])
     parser.add_argument("--vocab-block-size", type=int, default=16384, help="vocab columns scored at a time")
     parser.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: H100 bf16 on GPU)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base (0: every parameter)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--profile", default=None, help="trace one more step with jax.profiler into this dir; print its top ops")
@@ -90,7 +91,7 @@ def main() -> None:
     import equinox as eqx
     import jax
     import numpy as np
-    from marin_rl.learner import Learner, LearnerConfig, ModelConfig, OptimizerConfig, compute_dtype
+    from marin_rl.learner import Learner, LearnerConfig, LoraConfig, ModelConfig, OptimizerConfig, compute_dtype
 
     model_config = ModelConfig(
         family=args.family,
@@ -110,6 +111,7 @@ def main() -> None:
         optimizer=OptimizerConfig(learning_rate=1e-5),
         microbatch_rows=args.microbatch_rows,
         vocab_block_size=args.vocab_block_size,
+        lora=LoraConfig(rank=args.lora_rank),
     )
     device = jax.devices()[0]
     peak = (
@@ -131,7 +133,7 @@ def main() -> None:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 learner.step(example)
 
-    model = learner.model
+    model = learner.policy_model  # with LoRA: the base's shape, adapters merged
     total_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     embedding_lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
     matmul_params = total_params - embedding_lookup
@@ -149,6 +151,11 @@ def main() -> None:
         f"(flash block {args.flash_block_size}), checkpointing {args.gradient_checkpointing}"
     )
     print(f"params: {total_params:,} total, {matmul_params:,} in matmuls (N for 6N)")
+    if args.lora_rank:
+        from marin_rl.learner._lora import trainable_params
+
+        trained = sum(x.size for x in jax.tree.leaves(trainable_params(learner.model)))
+        print(f"lora rank {args.lora_rank}: {trained:,} trained parameters (no weight gradients: 6N overstates the work, about 4N)")
     print(
         f"batch: {args.rows} rows x {args.seq_len} positions = {tokens} tokens, {args.rollouts_per_row} rollouts/row, "
         f"microbatch rows {args.microbatch_rows or args.rows}"

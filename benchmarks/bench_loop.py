@@ -28,6 +28,8 @@ SIZES = {
     "0.5b": (1024, 4096, 24, 16, 16),  # ~0.4B in the blocks (Llama-shaped; the char vocab adds little)
     # bench_learner.py's ~1B shape (with --seq-len 4096 --max-tokens 256 --override=--server.kv_cache_tokens=131072)
     "1b": (2048, 8192, 16, 32, 8),
+    # Llama-3-8B's shape (with --vocab 128256 --override=--learner.lora.rank=16 on one GPU)
+    "8b": (4096, 14336, 32, 32, 8),
 }
 
 
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", default=None, help="trace --profile-seconds of the run, from step --profile-after-step on, into this dir; print its top ops")
     parser.add_argument("--profile-after-step", type=int, default=3)
     parser.add_argument("--profile-seconds", type=float, default=5.0)
+    parser.add_argument("--vocab", type=int, default=None, help="pad the char tokenizer to this many tokens (embedding and LM head of a real size)")
     parser.add_argument("--override", action="append", default=[], help="a further config override (--override=--runtime=ray)")
     return parser
 
@@ -122,7 +125,25 @@ def loop_overrides(args, run_dir: Path) -> list[str]:
     overrides.append(f"--model.attn_backend={args.attn_backend}")
     if args.server_dtype:
         overrides.append(f"--server.compute_dtype={args.server_dtype}")
+    if args.vocab:
+        overrides.append(f"--tokenizer={padded_char_tokenizer(args.vocab, run_dir.parent / f'char-tokenizer-{args.vocab}')}")
     return overrides + args.override
+
+
+def padded_char_tokenizer(size: int, directory: Path) -> Path:
+    """The shipped char tokenizer with unused tokens `<t104>`, ... added up to `size`: the run's model
+    gets a vocabulary of that size (a random policy samples them; they decode as their names)."""
+    import shutil
+
+    from marin_rl.tokenizer import CHAR_TOKENIZER_DIR
+
+    if not directory.exists():
+        shutil.copytree(CHAR_TOKENIZER_DIR, directory)
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        vocab = spec["model"]["vocab"]
+        vocab.update({f"<t{i}>": i for i in range(len(vocab), size)})
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
 
 
 def summarize(run_dir: Path, args, wall: float | None) -> None:
@@ -170,6 +191,9 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")
     print(f"packing efficiency: {np.mean([r['batch/packing_efficiency'] for r in steady]):.3f}")
+    peaks = [r[k] for r in records for k in r if k.startswith("memory/device") and k.endswith("_peak_gib")]
+    if peaks:
+        print(f"peak device memory (GiB, over the run): {max(peaks):.1f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from marin_rl.broadcaster._broadcaster import Broadcaster, BroadcasterConfig
 from marin_rl.broadcaster._transport import (
     CheckpointExports,
     ColocatedTransport,
+    Export,
     ReconnectingTransport,
     RemoteTransport,
     Unreachable,
@@ -16,6 +17,7 @@ __all__ = [
     "BroadcasterConfig",
     "CheckpointExports",
     "ColocatedTransport",
+    "Export",
     "ReconnectingTransport",
     "RemoteTransport",
     "Unreachable",

@@ -3,7 +3,8 @@
 - `ColocatedTransport`: the server lives in the learner's process; weights are swapped in place.
 - `RemoteTransport`: a `marin-rl serve` process (or any server with the same endpoint) elsewhere; the
   weights go through an HF safetensors checkpoint on a shared filesystem plus a call to its
-  token-protected POST /v1/weights/update (docs/serving.md).
+  token-protected POST /v1/weights/update (docs/serving.md). With LoRA, each version is the adapters
+  alone (megabytes); the base goes once, when a server is synced.
 - `ReconnectingTransport`: what every server in another process shares (a Ray server actor too):
   confirmation of each version, and a watcher that brings a server back after it died.
 """
@@ -16,10 +17,13 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
 
-from marin_rl.errors import PermanentError
+from marin_rl.errors import BaseMissing, PermanentError
 from marin_rl.server import WEIGHT_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
@@ -32,6 +36,17 @@ class WeightUpdateRefused(PermanentError):
 
 class Unreachable(Exception):
     """The server did not answer (refused, reset, timed out): down or restarting."""
+
+
+@dataclass(frozen=True)
+class Export:
+    """What a server needs to serve one version, as the exports' medium holds it (a checkpoint path, an
+    object-store reference): the whole weights, or a LoRA run's adapters and the base they sit on."""
+
+    weights: Any
+    """The policy's weights; with `adapters`, the base's (sent only to a server that lacks them)."""
+    adapters: Any = None
+    """The adapters alone (`marin_rl.adapters` format), or None."""
 
 
 class WeightTransport(abc.ABC):
@@ -140,8 +155,9 @@ class ReconnectingTransport(WeightTransport):
         """Drop exports older than the ones still needed, once `policy_version` was pushed."""
 
     @abc.abstractmethod
-    def _request_update(self, payload, policy_version: int, *, reset: bool) -> None:
-        """Ask the server to serve `payload` as `policy_version`. Raises `WeightUpdateRefused` when it refuses,
+    def _request_update(self, payload: Export, policy_version: int, *, reset: bool, with_base: bool) -> None:
+        """Ask the server to serve `payload` as `policy_version` (with adapters: the base too if
+        `with_base`). Raises `WeightUpdateRefused` when it refuses, `BaseMissing` when it needs the base,
         `Unreachable` when it does not answer; returning means it accepted (or is still loading)."""
 
     @abc.abstractmethod
@@ -205,7 +221,10 @@ class ReconnectingTransport(WeightTransport):
     def _deliver(self, policy_version: int, payload, *, reset: bool) -> None:
         """Request the update and wait for the version; caller holds `_delivering`."""
         deadline = time.monotonic() + self._timeout_s
-        self._request_update(payload, policy_version, reset=reset)
+        try:  # the base goes with a sync: a server just (re)started holds none
+            self._request_update(payload, policy_version, reset=reset, with_base=reset)
+        except BaseMissing:
+            self._request_update(payload, policy_version, reset=reset, with_base=True)
         while True:
             try:
                 version, instance = self._probe()
@@ -296,17 +315,22 @@ class RemoteTransport(ReconnectingTransport):
     def export_path(self, policy_version: int) -> str:
         return self._exports.path(policy_version)
 
-    def _export(self, model, policy_version: int) -> str:
+    def _export(self, model, policy_version: int) -> Export:
         return self._exports.export(model, policy_version)
 
     def _prune(self, policy_version: int) -> None:
         self._exports.prune(policy_version)
 
-    def _request_update(self, payload: str, policy_version: int, *, reset: bool) -> None:
+    def _request_update(self, payload: Export, policy_version: int, *, reset: bool, with_base: bool) -> None:
+        body = {"policy_version": policy_version, "reset": reset}
+        if payload.adapters is not None:
+            body["adapters"] = payload.adapters
+        if payload.adapters is None or with_base:
+            body["path"] = payload.weights
         try:
             response = httpx.post(
                 f"{self.base_url}/weights/update",
-                json={"path": payload, "policy_version": policy_version, "reset": reset},
+                json=body,
                 headers={"Authorization": f"Bearer {self._token}"},
                 timeout=self._timeout_s,
             )
@@ -314,6 +338,8 @@ class RemoteTransport(ReconnectingTransport):
             return  # the server may still be loading: the caller polls the version
         except httpx.TransportError as e:
             raise Unreachable(f"{type(e).__name__}: {e}") from e
+        if response.status_code == 409 and "path" not in body and _error_param(response) == "path":
+            raise BaseMissing(_error_message(response))
         if response.status_code != 200:
             raise WeightUpdateRefused(
                 f"{self.base_url} refused policy version {policy_version} from {payload} "
@@ -331,8 +357,15 @@ class RemoteTransport(ReconnectingTransport):
 
 
 class CheckpointExports:
-    """HF checkpoints of each pushed version under `directory/policy-{version:08d}/`, written once per
-    version (atomically, so several transports can share the directory); the newest `keep` survive."""
+    """Each pushed version under `directory/policy-{version:08d}/`, written once per version
+    (atomically, so several transports can share the directory); the newest `keep` survive.
+
+    A version is an HF checkpoint; with LoRA, the adapters alone (`adapters.safetensors`), and the base
+    they sit on is one HF checkpoint, `directory/base/`, written at the first export of this process.
+    """
+
+    _bases_written: set[str] = set()  # directories whose base this process wrote (shared by transports)
+    _base_lock = threading.Lock()
 
     def __init__(self, directory: str, tokenizer, *, export_dtype: str | None = None, keep: int = 2):
         if keep < 1:
@@ -345,19 +378,37 @@ class CheckpointExports:
     def path(self, policy_version: int) -> str:
         return os.path.join(self.directory, f"policy-{policy_version:08d}")
 
-    def export(self, model, policy_version: int) -> str:
+    def export(self, model, policy_version: int) -> Export:
+        from marin_rl.adapters import adapters_to_bytes, has_adapters, without_adapters
+        from marin_rl.learner._files import directory_written_atomically
+
+        path = self.path(policy_version)
+        adapted = has_adapters(model)
+        if adapted:
+            base = os.path.join(self.directory, "base")
+            with self._base_lock:
+                if self.directory not in self._bases_written:
+                    self._save_hf(without_adapters(model), base, "the base")
+                    self._bases_written.add(self.directory)
+        if not os.path.isdir(path):  # else another transport already wrote this version (written atomically)
+            start = time.perf_counter()
+            if adapted:
+                with directory_written_atomically(Path(path)) as tmp:
+                    (tmp / ADAPTERS_FILE).write_bytes(adapters_to_bytes(model))
+                logger.info("exported the adapters of policy version %d to %s in %.2fs", policy_version, path, time.perf_counter() - start)
+            else:
+                self._save_hf(model, path, f"policy version {policy_version}")
+        return Export(base, os.path.join(path, ADAPTERS_FILE)) if adapted else Export(path)
+
+    def _save_hf(self, model, path: str, what: str) -> None:
         import jax.numpy as jnp
 
         from marin_rl.learner import save_hf_model
 
-        path = self.path(policy_version)
-        if os.path.isdir(path):  # another transport already wrote this version (written atomically)
-            return path
         start = time.perf_counter()
         dtype = None if self._dtype is None else jnp.dtype(self._dtype)
         save_hf_model(model, self._tokenizer, path, dtype=dtype)
-        logger.info("exported policy version %d to %s in %.2fs", policy_version, path, time.perf_counter() - start)
-        return path
+        logger.info("exported %s to %s in %.2fs", what, path, time.perf_counter() - start)
 
     def prune(self, policy_version: int) -> None:
         names = sorted(n for n in os.listdir(self.directory) if n.startswith("policy-"))
@@ -366,8 +417,18 @@ class CheckpointExports:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
 
+ADAPTERS_FILE = "adapters.safetensors"
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         return response.json()["error"]["message"]
     except Exception:
         return response.text[:500]
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["param"]
+    except Exception:
+        return None

@@ -42,6 +42,7 @@ class ServerActor:
         self._server = None
         self._template = None
         self._tokenizer = None
+        self._loader = None
 
     def base_url(self) -> str:
         """Where env workers reach it: the node's address when it binds every interface."""
@@ -57,18 +58,21 @@ class ServerActor:
         """(policy version served, or NOT_SERVING; instance id)."""
         return (NOT_SERVING if self._server is None else self._server.policy_version), self.instance
 
-    def load(self, payload, policy_version: int, reset: bool) -> int:
-        """Serve `payload` (safetensors bytes, or an HF checkpoint directory) as `policy_version`; the
-        first load starts the HTTP server. ValueError for an older version (unless `reset`) or weights of
-        another architecture."""
+    def load(self, weights, policy_version: int, reset: bool, adapters=None) -> int:
+        """Serve `policy_version`: `weights` (safetensors bytes, or an HF checkpoint directory), LoRA
+        `adapters` (bytes, or a file's path) on them or on the base an earlier load kept, or both (see
+        `UpdateLoader`); the first load starts the HTTP server. ValueError for an older version (unless
+        `reset`) or weights of another architecture; `BaseMissing` for adapters with no base kept."""
         from marin_rl.server import PolicyServer
+        from marin_rl.server._updates import UpdateLoader
         from marin_rl.tokenizer import load_tokenizer
 
         if self._server is not None and policy_version < self._server.policy_version and not reset:
             raise ValueError(f"policy version {policy_version} is older than the served {self._server.policy_version}")
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self._tokenizer_name)
-        model = self._model(payload)
+            self._loader = UpdateLoader(self._model, self.config.compute_dtype)
+        model = self._loader(weights, adapters)
         if self._server is None:
             server = PolicyServer(self.config, model, self._tokenizer, policy_version)
             try:

@@ -4,7 +4,6 @@ weights as safetensors with Hugging Face parameter names (what an HF checkpoint'
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 
 from marin_rl.storage import rollouts_to_table, table_to_rollouts
@@ -39,17 +38,12 @@ def weights_from_bytes(data: bytes, template):
     """A model shaped like `template` (a model, or `eqx.filter_eval_shape` of one) holding the weights
     in `data`; ValueError naming the parameter when a name or shape does not match."""
     import jax.numpy as jnp
-    import ml_dtypes
-    import safetensors
     from haliax.state_dict import from_torch_compatible_state_dict
 
-    # safetensors' own numpy and flax loaders know no bfloat16: read the raw views (ml_dtypes has it).
-    dtypes = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "I64": np.int64}
+    from marin_rl.adapters import safetensors_arrays
+
     # As JAX arrays (on the default device): given numpy arrays, haliax shards them by a mesh in scope.
-    state = {
-        name: jnp.asarray(np.frombuffer(view["data"], dtype=dtypes[view["dtype"]]).reshape(view["shape"]))
-        for name, view in safetensors.deserialize(data)
-    }
+    state = {name: jnp.asarray(array) for name, array in safetensors_arrays(data)}
     try:
         return from_torch_compatible_state_dict(template, state)
     except (KeyError, ValueError) as e:

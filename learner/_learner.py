@@ -20,11 +20,12 @@ import numpy as np
 import optax
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl.adapters import merged
 from marin_rl.engine import ExactLayout
 from marin_rl.errors import naming_full_disk
 from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
 from marin_rl.learner._config import LearnerConfig, ModelConfig
-from marin_rl.learner._lora import add_adapters, base_fingerprint, merged_model, save_peft_adapter, trainable_params, with_frozen_base_in
+from marin_rl.learner._lora import add_adapters, base_fingerprint, save_peft_adapter, trainable_params, with_frozen_base_in
 from marin_rl.learner._mesh import LearnerMesh
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
@@ -107,9 +108,9 @@ class Learner:
 
     @property
     def policy_model(self) -> LmHeadModel:
-        """The current policy as a plain model of the base architecture (adapters merged): what engines,
-        remote servers and exports get."""
-        return merged_model(self.model) if self.config.lora.rank else self.model
+        """The current policy as a plain model of the base architecture (adapters merged): what an HF
+        export holds. Servers get `model` itself (adapters and all; see `marin_rl.adapters`)."""
+        return merged(self.model) if self.config.lora.rank else self.model
 
     # --- training -------------------------------------------------------------------------------------
 

@@ -1,10 +1,9 @@
-"""LoRA on a Levanter model (`levanter.lora`): which parameters a step trains, and the plain model the
-engines and exports get.
+"""LoRA in the learner (`levanter.lora`): which parameters a step trains, and how its adapters are saved.
 
 With adapters, only their arrays are trained (gradients, optimizer state) and checkpointed (with a
-fingerprint of the base they belong to); everywhere a model leaves the learner (an engine's swap, a
-remote server, an HF export) it goes merged: W + (alpha / r) B A, a plain model of the base's
-architecture. `save_peft_adapter` writes the adapters alone, as a PEFT adapter directory.
+fingerprint of the base they belong to). Servers get the adapted model: the colocated engine merges it
+into its own copy of the weights, servers elsewhere get the adapters alone (`marin_rl.adapters`). An HF
+export is merged (W + (alpha / r) B A); `save_peft_adapter` writes the adapters as a PEFT directory.
 """
 
 from __future__ import annotations
@@ -13,16 +12,15 @@ import dataclasses
 from pathlib import Path
 
 import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from levanter.lora import LoraConfig as LevanterLoraConfig
-from levanter.lora import LoraLinear, is_lora_param, loraize, save_peft_pretrained
+from levanter.lora import is_lora_param, loraize, save_peft_pretrained
 
+from marin_rl.adapters import adapter_module_names, has_adapters
+from marin_rl.learner._config import LoraConfig
 from marin_rl.learner._files import directory_written_atomically
 from marin_rl.learner._model import cast_floating
-
-from marin_rl.learner._config import LoraConfig
 
 
 def _levanter_config(config: LoraConfig) -> LevanterLoraConfig:
@@ -34,10 +32,6 @@ def add_adapters(model, config: LoraConfig, *, key):
     """`model` with adapters on the linear layers of its transformer blocks (never the LM head).
     Levanter starts B at zero, so the adapted model computes what `model` does."""
     return dataclasses.replace(model, transformer=loraize(model.transformer, _levanter_config(config), key))
-
-
-def has_adapters(model) -> bool:
-    return any(isinstance(node, LoraLinear) for node in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoraLinear)))
 
 
 def trainable_spec(model):
@@ -73,12 +67,6 @@ def base_fingerprint(model) -> list[float]:
     return [float(x) for x in _sums_of_magnitudes(jax.tree.leaves(eqx.filter(frozen, eqx.is_inexact_array)))]
 
 
-def adapter_module_names(model) -> list[str]:
-    """Names of the linear layers that carry adapters (`q_proj`, ...), as PEFT's `target_modules`."""
-    paths = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda node: isinstance(node, LoraLinear))[0]
-    return sorted({path[-1].name for path, node in paths if isinstance(node, LoraLinear)})
-
-
 def save_peft_adapter(model, config: LoraConfig, base_model_name_or_path: str | None, path: str | Path, tokenizer=None) -> Path:
     """Write the adapters of `model` as a PEFT adapter directory (adapter_config.json and
     adapter_model.safetensors) that `peft.PeftModel.from_pretrained` loads onto the Hugging Face base,
@@ -89,18 +77,3 @@ def save_peft_adapter(model, config: LoraConfig, base_model_name_or_path: str | 
         # Levanter's own prefix is for a bare transformer; this is the whole LM-head model.
         save_peft_pretrained(model, levanter_config, base_model_name_or_path, str(tmp), tokenizer, prefix="base_model.model")
     return Path(path)
-
-
-@hax.named_jit  # as Levanter's `merge_lora_modules`: sharded parameters merge where they live
-def merged_model(model):
-    """`model` with each adapter merged into its layer's weight (W + scale * B A), in W's axis order and
-    dtype: a plain model with the base's arrays, shape for shape."""
-
-    def merge(module):
-        if not isinstance(module, LoraLinear):
-            return module
-        weight = module.wrapped.weight
-        merged = (weight + module.lora.merge()).rearrange(weight.axes)
-        return dataclasses.replace(module.wrapped, weight=merged.astype(weight.dtype))
-
-    return jax.tree.map(merge, model, is_leaf=lambda node: isinstance(node, LoraLinear))

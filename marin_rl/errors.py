@@ -29,6 +29,11 @@ class PromptTooLong(PermanentError):
     """A prompt alone leaves no room for a completion in the row."""
 
 
+class BaseMissing(ValueError):
+    """A server was sent LoRA adapters alone and holds no base weights to put them on (it restarted, say):
+    the sender retries with the base."""
+
+
 class DiskFull(PermanentError):
     """A write failed for want of space (or quota); the message names the path and the free bytes."""
 

@@ -156,3 +156,21 @@ def compilations_after_first_step(records: list[dict]) -> dict[int, float]:
     records, in order; `compile/count` is the run's total so far)."""
     counts = [(r["step"], r["compile/count"]) for r in records]
     return {step: count - before for (_, before), (step, count) in zip(counts, counts[1:]) if count != before}
+
+
+def with_trained_adapters(base, lora_config, *, seed: int, scale: float = 0.05):
+    """`base` with LoRA adapters (`lora_config`) whose B is drawn from N(0, scale^2) instead of zero, as
+    after training: the adapted model computes something else than the base."""
+    import equinox as eqx
+    import jax
+
+    from marin_rl.learner._lora import add_adapters
+
+    model = add_adapters(base, lora_config, key=jax.random.key(seed))
+    keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(model))))
+
+    def perturb(path, x):
+        key = next(keys)
+        return x + scale * jax.random.normal(key, x.shape, x.dtype) if "lora_B" in jax.tree_util.keystr(path) else x
+
+    return eqx.combine(jax.tree_util.tree_map_with_path(perturb, eqx.filter(model, eqx.is_array)), model)

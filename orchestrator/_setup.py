@@ -138,13 +138,13 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     servers = []
     for device in placement.engine_devices:
         shared = placement.shares_learner_device(device)
-        servers.append(PolicyServer(server_config, learner.policy_model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock if shared else None, device=device).start())
+        servers.append(PolicyServer(server_config, learner.model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock if shared else None, device=device).start())
         shutdown.close_later(servers[-1].shutdown)
     runtime = None
     if config.runtime == "ray":
         from marin_rl.distributed import RayRuntime
 
-        runtime = RayRuntime(config, learner.policy_model, tokenizer, run_dir)
+        runtime = RayRuntime(config, learner.model, tokenizer, run_dir)
         shutdown.close_later(runtime.shutdown)
     broadcaster = config.broadcaster.build(colocated=servers, tokenizer=tokenizer, run_dir=str(run_dir), extra=runtime.transports if runtime else ())
     shutdown.close_later(broadcaster.close)
@@ -183,7 +183,7 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     _add_hooks(run, metrics_log, progress)
     _tune_interpreter(jax.default_backend(), shutdown)
     run.started = True  # from here on, whatever ends the run is checkpointed
-    broadcaster.start(learner.policy_model, learner.policy_version)  # remote servers: this run's weights, before any sampling
+    broadcaster.start(learner.model, learner.policy_version)  # remote servers: this run's weights, before any sampling
     run.workers.start(free_running=not config.deterministic)
     if config.eval_every and run.start_step == 0:
         metrics_log.log(0, _timed_eval(run.workers, 0))  # the baseline, before any update
@@ -193,8 +193,8 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
 def _add_hooks(run: Run, metrics_log: MetricsLog, progress: ProgressLine) -> None:
     """The loop's periodic work, in the order it runs within a phase."""
     config, learner, hooks = run.config, run.learner, run.hooks
-    # Only at the k-th versions: with LoRA, `policy_model` merges the adapters (a pass over the weights).
-    hooks.add(lambda info: info.metrics.update(run.broadcaster.maybe_broadcast(learner.policy_model, info.step)), every=config.broadcaster.every_k_steps, phase=LEARNED)
+    # With LoRA the model goes with its adapters: engines merge them into their copy, servers elsewhere get them alone.
+    hooks.add(lambda info: info.metrics.update(run.broadcaster.maybe_broadcast(learner.model, info.step)), every=config.broadcaster.every_k_steps, phase=LEARNED)
     hooks.add(lambda info: _measure(run, info), every=1, phase=MEASURED)
     hooks.add(lambda info: info.metrics.update(_timed_eval(run.workers, info.step)), every=config.eval_every, phase=MEASURED)
 

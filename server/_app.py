@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from marin_rl.errors import BaseMissing
 from marin_rl.server._config import InferenceServerConfig
 from marin_rl.server._handler import RequestHandler, completion_prompts, render_chat
 from marin_rl.server._protocol import (
@@ -52,8 +53,9 @@ class WeightUpdates:
     """What POST /v1/weights/update needs: the token, a checkpoint loader and the swap."""
 
     token: str
-    load: Callable[[str], Any]
-    """Checkpoint directory -> model (blocking; run in a thread)."""
+    load: Callable[[str | None, str | None], Any]
+    """(checkpoint directory, adapters file) -> model (blocking; run in a thread): an `UpdateLoader` that
+    reads the adapters file."""
     swap: Callable[[Any, int], Any]
     """(model, policy_version) -> swap timing (blocking; run in a thread)."""
 
@@ -365,19 +367,26 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, i
                     f"policy_version {body.policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
                     param="policy_version",
                 )
-            if not os.path.isdir(body.path):
+            if body.path is None and body.adapters is None:
+                raise bad_request("send `path` (a checkpoint directory), `adapters` (a LoRA adapters file), or both", param="path")
+            if body.path is not None and not os.path.isdir(body.path):
                 raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
+            if body.adapters is not None and not os.path.isfile(body.adapters):
+                raise bad_request(f"adapters file {body.adapters!r} does not exist on the server", param="adapters")
+            source = " + ".join(p for p in (body.path, body.adapters) if p is not None)
             start = time.perf_counter()
             try:
-                model = await asyncio.to_thread(updates.load, body.path)
+                model = await asyncio.to_thread(updates.load, body.path, body.adapters)
+            except BaseMissing as e:
+                raise ApiError(409, str(e), param="path") from e
             except Exception as e:
-                raise bad_request(f"could not load checkpoint {body.path!r}: {type(e).__name__}: {e}", param="path") from e
+                raise bad_request(f"could not load {source!r}: {type(e).__name__}: {e}", param="adapters" if body.adapters else "path") from e
             load_seconds = time.perf_counter() - start
             try:
                 swap = await asyncio.to_thread(updates.swap, model, body.policy_version)
             except ValueError as e:
-                raise bad_request(f"checkpoint {body.path!r} cannot replace the served model: {e}", param="path") from e
-        logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, body.path, load_seconds)
+                raise bad_request(f"{source!r} cannot replace the served model: {e}", param="path") from e
+        logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, source, load_seconds)
         return WeightVersionResponse(
             policy_version=engine.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
         )

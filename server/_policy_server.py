@@ -73,7 +73,7 @@ class PolicyServer:
         server.shutdown()
 
     `weight_loader` (checkpoint dir -> model) is for the `serve` process: with it and a weight-update
-    token configured, POST /v1/weights/update is mounted. `device_lock` and `device` are the engine's
+    token configured, POST /v1/weights/update is mounted (whole checkpoints, or LoRA adapters: `UpdateLoader`). `device_lock` and `device` are the engine's
     (see `Engine`).
     """
 
@@ -91,6 +91,7 @@ class PolicyServer:
         # Heavy imports here, not at module level: configs and the CLI import this package.
         from marin_rl.engine import Engine
         from marin_rl.server._app import WeightUpdates, build_app
+        from marin_rl.server._updates import UpdateLoader
 
         if config.max_seq_len > model.Pos.size:
             raise ValueError(
@@ -105,7 +106,7 @@ class PolicyServer:
             if token is None:
                 logger.warning("no weight_update_token and no MARIN_RL_WEIGHT_TOKEN: /v1/weights/update is disabled")
             else:
-                updates = WeightUpdates(token=token, load=weight_loader, swap=self.swap_weights)
+                updates = WeightUpdates(token=token, load=UpdateLoader(weight_loader, config.compute_dtype), swap=self.swap_weights)
         self.app = build_app(config, tokenizer, self.engine, model.Vocab.size, updates)
         self.last_swap: WeightSwap | None = None
         """Timing of the latest `swap_weights`."""

@@ -284,8 +284,12 @@ class CompletionResponse(BaseModel):
 
 
 class WeightUpdateRequest(BaseModel):
-    path: str
-    """Local directory of an HF safetensors checkpoint with the serving architecture."""
+    path: str | None = None
+    """Local directory of an HF safetensors checkpoint with the serving architecture; with `adapters`,
+    the base they sit on (kept: later updates may bring adapters alone)."""
+    adapters: str | None = None
+    """Local path of a LoRA adapters file (`marin_rl.adapters` format), put on the base: `path`'s, or the
+    one kept from an earlier update."""
     policy_version: int = Field(ge=0)
     reset: bool = False
     """Accept a version older than the served one: a resumed run rolls its servers back to its checkpoint."""

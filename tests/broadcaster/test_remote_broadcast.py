@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from marin_rl.broadcaster import Broadcaster, ColocatedTransport, RemoteTransport, WeightUpdateRefused
-from marin_rl.learner import ModelConfig, build_model, save_hf_model
+from marin_rl.learner import LoraConfig, ModelConfig, build_model, save_hf_model
 from marin_rl.server import InferenceServerConfig, PolicyServer
-from marin_rl.testing import start_serve_process
+from marin_rl.testing import start_serve_process, with_trained_adapters
 from marin_rl.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -62,3 +62,33 @@ def test_remote_server_serves_the_broadcast_weights_and_refuses_pushes_without_t
     with pytest.raises(WeightUpdateRefused, match="403"):
         RemoteTransport(serve_process, "wrong", str(tmp_path / "hf"), tokenizer=tokenizer).push(tiny_llama(0), 2)
     assert greedy(serve_process) == served_b
+
+
+def test_a_lora_run_sends_the_base_once_then_adapters_alone(serve_process, tmp_path, monkeypatch):
+    """The server starts without a base: the first push of adapters alone is answered 409 and resent with
+    the base; later pushes are the adapters alone. The remote serves what the colocated engine serves."""
+    tokenizer = load_tokenizer("char")
+    sent = []
+    post = httpx.post
+
+    def recorded(url, *, json, **kwargs):
+        response = post(url, json=json, **kwargs)
+        sent.append((sorted(k for k in ("path", "adapters") if k in json), response.status_code))
+        return response
+
+    monkeypatch.setattr(httpx, "post", recorded)
+    remote = RemoteTransport(serve_process, TOKEN, str(tmp_path / "hf"), tokenizer=tokenizer, timeout_s=300)
+    base = tiny_llama(0)
+    served = []
+    with PolicyServer(InferenceServerConfig(**SERVER), base, tokenizer) as local:
+        base_tokens = greedy(local.base_url)[0]
+        broadcaster = Broadcaster([ColocatedTransport(local), remote])
+        for version in (1, 2):
+            broadcaster.maybe_broadcast(with_trained_adapters(base, LoraConfig(rank=4), seed=version, scale=0.5), version)
+            served.append(greedy(local.base_url))
+            assert served[-1][1] == version and greedy(serve_process) == served[-1]
+    assert sent == [(["adapters"], 409), (["adapters", "path"], 200), (["adapters"], 200)]
+    assert base_tokens not in (served[0][0], served[1][0])  # the adapters changed what is served
+    adapters = (tmp_path / "hf" / "policy-00000002" / "adapters.safetensors").stat().st_size
+    base_bytes = sum(f.stat().st_size for f in (tmp_path / "hf" / "base").glob("*.safetensors"))
+    assert adapters < base_bytes / 4

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from marin_rl.broadcaster import RemoteTransport, WeightUpdateRefused
+from marin_rl.broadcaster import Export, RemoteTransport, WeightUpdateRefused
 from marin_rl.server import InferenceServerConfig
 from marin_rl.server._app import WeightUpdates, build_app
 from marin_rl.testing import free_port
@@ -27,7 +27,7 @@ def server_process_app(own_version: int):
         engine.loads.append(model)
         return types.SimpleNamespace(total_seconds=0.0)
 
-    updates = WeightUpdates(token=TOKEN, load=lambda path: path, swap=swap)
+    updates = WeightUpdates(token=TOKEN, load=lambda path, adapters: path, swap=swap)
     return build_app(InferenceServerConfig(), TOKENIZER, engine, len(TOKENIZER), updates), engine
 
 
@@ -40,7 +40,7 @@ def wait_until(condition, what, timeout=30.0):
 
 @pytest.fixture
 def transport(tmp_path, monkeypatch):
-    monkeypatch.setattr(RemoteTransport, "_export", lambda self, model, version: (tmp_path / f"policy-{version:08d}").mkdir() or self.export_path(version))
+    monkeypatch.setattr(RemoteTransport, "_export", lambda self, model, version: (tmp_path / f"policy-{version:08d}").mkdir() or Export(self.export_path(version)))
 
     def make(url, token=TOKEN):
         return RemoteTransport(url, token, str(tmp_path), tokenizer=None, timeout_s=5, probe_interval_s=0.05, max_backoff_s=0.2)

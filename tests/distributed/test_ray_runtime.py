@@ -58,17 +58,21 @@ def kill_at(run_dir, plan, done: threading.Event, killed: dict):
         killed[name] = steps_logged(run_dir)
 
 
-def test_ray_runtime_learns_and_survives_dead_actors(tmp_path):
-    run_dir = tmp_path / "ray"
-    config = ray_config(run_dir, STEPS)
+def train_killing(config, run_dir, plan):
+    """`train(config)` while `kill_at` kills the planned actors; (its result, {actor: step killed at})."""
     done, killed = threading.Event(), {}
-    killer = threading.Thread(target=kill_at, args=(run_dir, [(KILL_SERVER_AT, "server0"), (KILL_WORKER_AT, "env_worker1")], done, killed))
+    killer = threading.Thread(target=kill_at, args=(run_dir, plan, done, killed))
     killer.start()
     try:
-        result = train(config)
+        return train(config), killed
     finally:
         done.set()
         killer.join()
+
+
+def test_ray_runtime_learns_and_survives_dead_actors(tmp_path):
+    run_dir = tmp_path / "ray"
+    result, killed = train_killing(ray_config(run_dir, STEPS), run_dir, [(KILL_SERVER_AT, "server0"), (KILL_WORKER_AT, "env_worker1")])
 
     assert result.final_step == STEPS and not result.stopped_early
     assert set(killed) == {"server0", "env_worker1"}
@@ -92,3 +96,22 @@ def test_ray_runtime_learns_and_survives_dead_actors(tmp_path):
     # Both env-worker actors' shards of the problem stream were drawn (positions even and odd).
     positions = {r.metadata["problem_position"] % 2 for r in read_rollouts(run_dir, env="addition")}
     assert positions == {0, 1}
+
+
+def test_ray_server_actors_get_lora_adapters_alone_and_a_restarted_one_gets_the_base_again(tmp_path):
+    """With `learner.lora`, each push to the server actors is the adapters alone; the actor killed at step
+    8 comes back holding no base, and the watcher's resync sends the base with the adapters."""
+    run_dir = tmp_path / "ray-lora"
+    config = ray_config(run_dir, STEPS, "--learner.lora.rank=16", "--ray.num_env_workers=1")
+    result, killed = train_killing(config, run_dir, [(KILL_SERVER_AT, "server0")])
+
+    assert result.final_step == STEPS and not result.stopped_early
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["broadcast/reconnects"] >= 1 and final["broadcast/servers_down"] == 0
+    assert final["workers/addition/rollouts_rejected"] == 0
+    rewards = [r["batches/addition/reward_mean"] for r in records]
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert last > first + 0.2, f"reward went from {first:.3f} to {last:.3f}"
+    versions = [t.inference_metadata.policy_version for r in read_rollouts(run_dir, env="addition") for t in r.turns if t.role == "assistant" and t.inference_metadata.server_id == "ray0"]
+    assert max(versions) > killed["server0"]

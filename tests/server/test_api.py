@@ -18,6 +18,7 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from marin_rl.engine import JobResult, PromptScores, Sample
+from marin_rl.errors import BaseMissing
 from marin_rl.server import InferenceServerConfig
 from marin_rl.server._app import WeightUpdates, build_app
 from marin_rl.server._handler import RequestHandler
@@ -365,7 +366,7 @@ def weight_update_app(worker, tmp_path, load=None):
         worker.model, worker.policy_version = model, version
         return types.SimpleNamespace(total_seconds=0.01)
 
-    updates = WeightUpdates(token="s3cret", load=load or (lambda path: f"weights@{path}"), swap=swap)
+    updates = WeightUpdates(token="s3cret", load=load or (lambda path, adapters: f"weights@{path}"), swap=swap)
     return TestClient(build_app(CONFIG, TOKENIZER, worker, VOCAB, updates))
 
 
@@ -386,8 +387,11 @@ def test_weight_update_needs_the_bearer_token_and_keeps_old_weights_when_refused
 
 
 def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkpoints(tmp_path):
-    def broken(path):
+    def broken(path, adapters):
         raise OSError("no model.safetensors")
+
+    def no_base(path, adapters):
+        raise BaseMissing("no base weights")
 
     worker = SwappableWorker()
     auth = {"Authorization": "Bearer s3cret"}
@@ -397,6 +401,15 @@ def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkp
     assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
     failed = weight_update_app(worker, tmp_path, load=broken).post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 2}, headers=auth)
     assert failed.status_code == 400 and "no model.safetensors" in failed.json()["error"]["message"]
+    # LoRA adapters: a file that is not there, nothing to load, and adapters alone on a server with no base.
+    adapters = tmp_path / "adapters.safetensors"
+    gone = http.post("/v1/weights/update", json={"adapters": str(adapters), "policy_version": 2}, headers=auth)
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "adapters"
+    empty = http.post("/v1/weights/update", json={"policy_version": 2}, headers=auth)
+    assert empty.status_code == 400 and "path" in empty.json()["error"]["message"]
+    adapters.write_bytes(b"")
+    baseless = weight_update_app(worker, tmp_path, load=no_base).post("/v1/weights/update", json={"adapters": str(adapters), "policy_version": 2}, headers=auth)
+    assert baseless.status_code == 409 and baseless.json()["error"]["param"] == "path"
     assert worker.policy_version == 1
     # A resumed run rolls its servers back to its checkpoint.
     rolled_back = http.post("/v1/weights/update", json={"path": str(tmp_path), "policy_version": 0, "reset": True}, headers=auth)
