@@ -79,6 +79,8 @@ def summary(
 
 def run_marin(args, checkpoint: str | None) -> dict:
     os.environ["USE_TORCH"] = "0"  # as `marin-rl train` runs: transformers without torch
+    if args.side == "both":  # TRL's process runs next on the same GPU while this one keeps what JAX took
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     from marin_rl.compiles import set_default_xla_flags
 
     set_default_xla_flags()  # as `marin-rl train` does, before JAX starts its backend

@@ -380,7 +380,7 @@ class CheckpointExports:
 
     def export(self, model, policy_version: int) -> Export:
         from marin_rl.adapters import adapters_to_bytes, has_adapters, without_adapters
-        from marin_rl.learner._files import directory_written_atomically
+        from marin_rl.learner import directory_written_atomically
 
         path = self.path(policy_version)
         adapted = has_adapters(model)

@@ -64,7 +64,7 @@ class ServerActor:
         `UpdateLoader`); the first load starts the HTTP server. ValueError for an older version (unless
         `reset`) or weights of another architecture; `BaseMissing` for adapters with no base kept."""
         from marin_rl.server import PolicyServer
-        from marin_rl.server._updates import UpdateLoader
+        from marin_rl.server import UpdateLoader
         from marin_rl.tokenizer import load_tokenizer
 
         if self._server is not None and policy_version < self._server.policy_version and not reset:

@@ -34,6 +34,8 @@ _LAZY = {
     "scored_tokens": "_loss",
     "LearnerMesh": "_mesh",
     "complete_checkpoints": "_checkpoint",
+    "directory_written_atomically": "_files",
+    "add_adapters": "_lora",
     "build_model": "_model",
     "cast_floating": "_model",
     "compute_dtype": "_model",

@@ -164,7 +164,7 @@ def with_trained_adapters(base, lora_config, *, seed: int, scale: float = 0.05):
     import equinox as eqx
     import jax
 
-    from marin_rl.learner._lora import add_adapters
+    from marin_rl.learner import add_adapters
 
     model = add_adapters(base, lora_config, key=jax.random.key(seed))
     keys = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(model))))

@@ -121,6 +121,8 @@ def memory_plan(config: TrainConfig, vocab: int, *, backend: str) -> MemoryPlan:
     engine_dtype = _dtype_bytes(server.compute_dtype, backend) if server.compute_dtype else (compute if lora.rank else 4)
     for device in config.embedded_devices:
         plan.add(device, "engine: weights", params * engine_dtype)
+        # A swap makes the next policy's copy while the current one serves.
+        plan.add(device, "engine: the next policy's weights, during a swap", params * engine_dtype)
         if server.kv_cache_memory_fraction is None:
             tokens = server.kv_cache_tokens or server.max_seqs * server.max_seq_len
             plan.add(device, f"engine: KV cache ({tokens:,} tokens)", tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * engine_dtype)

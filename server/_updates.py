@@ -41,6 +41,6 @@ class UpdateLoader:
     def _cast(self, model):
         import jax.numpy as jnp
 
-        from marin_rl.learner._model import cast_floating
+        from marin_rl.learner import cast_floating
 
         return model if self._dtype is None else cast_floating(model, jnp.dtype(self._dtype))

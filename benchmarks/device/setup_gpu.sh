@@ -11,5 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
 rm -rf /tmp/mr && mkdir -p /tmp/mr && cp -r marin_rl /tmp/mr/
 for part in envs orchestrator replay learner broadcaster engine distributed server workers; do ln -s "$PWD/$part" "/tmp/mr/marin_rl/$part"; done
+# The image sets PYTHONDONTWRITEBYTECODE=1: without byte-compiling here, every process compiles every
+# module it imports again (15 s of a 0.5B run's start-up), which an installed project never does.
+python3 -m compileall -q -j0 /tmp/site /tmp/trl "$PWD" > /dev/null
 export PYTHONPATH=/tmp/site:/tmp/mr TRL_PYTHONPATH=/tmp/trl PYTHONUNBUFFERED=1
 set +e

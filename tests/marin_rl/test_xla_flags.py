@@ -2,12 +2,17 @@
 
 import os
 
-from marin_rl.compiles import DEFAULT_XLA_FLAGS, set_default_xla_flags
+from marin_rl.compiles import DEFAULT_XLA_FLAGS, GPU_MEMORY_FRACTION, set_default_xla_flags
 
 
 def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     set_default_xla_flags()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    set_default_xla_flags()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == GPU_MEMORY_FRACTION
     set_default_xla_flags()
     assert os.environ["XLA_FLAGS"].split() == list(DEFAULT_XLA_FLAGS)
 

@@ -35,6 +35,7 @@ def test_an_8b_full_fine_tune_is_refused_on_one_80_gb_gpu_and_lora_rank_16_fits_
     plan = check_memory(lora, LLAMA_3_VOCAB, backend="gpu", device_bytes={0: 75 * GiB})
     parts = plan.parts[0]
     assert parts["learner: frozen base (compute dtype)"] == parts["engine: weights"] == 2 * 8_030_261_248  # bf16, one copy each
+    assert parts["engine: the next policy's weights, during a swap"] == parts["engine: weights"]
     assert parts["learner: trained parameters, gradients, optimizer state"] == 16 * 41_943_040
     assert parts["engine: KV cache (131,072 tokens)"] == 131_072 * 32 * 2 * 8 * 128 * 2
     assert 40 * GiB < plan.total(0) < 75 * GiB
