@@ -356,6 +356,10 @@ class RemoteTransport(ReconnectingTransport):
         return int(body["policy_version"]), body.get("instance")
 
 
+ADAPTERS_FILE = "adapters.safetensors"
+"""A LoRA version's file in its export directory."""
+
+
 class CheckpointExports:
     """Each pushed version under `directory/policy-{version:08d}/`, written once per version
     (atomically, so several transports can share the directory); the newest `keep` survive.
@@ -415,9 +419,6 @@ class CheckpointExports:
         stale = [n for n in names if int(n.removeprefix("policy-")) <= policy_version][: -self._keep]
         for name in stale:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-
-ADAPTERS_FILE = "adapters.safetensors"
 
 
 def _error_message(response: httpx.Response) -> str:
