@@ -41,6 +41,18 @@ def test_allocator_keeps_its_counts_and_frees_everything_at_the_end(ops):
     pages.check_idle()
 
 
+def test_the_idle_check_fails_while_a_reference_is_held():
+    pages = PageAllocator(4)
+    got = pages.allocate(1)
+    pages.share(got)
+    pages.release(got)  # one of the two references
+    assert pages.num_free == pages.capacity - 1
+    with pytest.raises(AssertionError, match="1 KV page references held"):
+        pages.check_idle()
+    pages.release(got)
+    pages.check_idle()
+
+
 def test_releasing_a_page_twice_is_caught():
     pages = PageAllocator(4)
     got = pages.allocate(2)
