@@ -129,6 +129,7 @@ def run_marin(args, checkpoint: str | None) -> dict:
     peak = stats.get("peak_bytes_in_use")
     steady = records[2:] or records
     later = [r["time/step_s"] for r in records[1:]] or [0.0]
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(
         f"marin-rl median step split: {statistics.median(r['time/wait_data_s'] for r in steady):.3f} s waiting for rollouts, "
         f"{statistics.median(r['time/learner_s'] for r in steady):.3f} s learning; launch to the end of step 1 "
