@@ -63,8 +63,7 @@ class ServerActor:
         `adapters` (bytes, or a file's path) on them or on the base an earlier load kept, or both (see
         `UpdateLoader`); the first load starts the HTTP server. ValueError for an older version (unless
         `reset`) or weights of another architecture; `BaseMissing` for adapters with no base kept."""
-        from marin_rl.server import PolicyServer
-        from marin_rl.server import UpdateLoader
+        from marin_rl.server import PolicyServer, UpdateLoader
         from marin_rl.tokenizer import load_tokenizer
 
         if self._server is not None and policy_version < self._server.policy_version and not reset:
