@@ -338,7 +338,7 @@ class RemoteTransport(ReconnectingTransport):
             return  # the server may still be loading: the caller polls the version
         except httpx.TransportError as e:
             raise Unreachable(f"{type(e).__name__}: {e}") from e
-        if response.status_code == 409 and "path" not in body and _error_param(response) == "path":
+        if response.status_code == 409 and "path" not in body and _error_field(response, "param") == "path":
             raise BaseMissing(_error_message(response))
         if response.status_code != 200:
             raise WeightUpdateRefused(
@@ -422,14 +422,12 @@ class CheckpointExports:
 
 
 def _error_message(response: httpx.Response) -> str:
-    try:
-        return response.json()["error"]["message"]
-    except Exception:
-        return response.text[:500]
+    return _error_field(response, "message") or response.text[:500]
 
 
-def _error_param(response: httpx.Response) -> str | None:
+def _error_field(response: httpx.Response, field: str) -> str | None:
+    """A field of the OpenAI-style error body (`{"error": {"message", "param", ...}}`), None if absent."""
     try:
-        return response.json()["error"]["param"]
+        return response.json()["error"][field]
     except Exception:
         return None

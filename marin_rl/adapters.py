@@ -58,10 +58,6 @@ def without_adapters(model):
     return jax.tree.map(lambda n: n.wrapped if isinstance(n, LoraLinear) else n, model, is_leaf=lambda n: isinstance(n, LoraLinear))
 
 
-def _is_array(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # the latter: a shape-only template
-
-
 def _name(path) -> str:
     """`transformer.layers.stacked.self_attn.q_proj.lora.lora_A.weight`: the attributes down to the array."""
     return ".".join(str(getattr(key, "name", getattr(key, "idx", ""))) for key in path if not isinstance(key, jax.tree_util.FlattenedIndexKey))
@@ -69,7 +65,7 @@ def _name(path) -> str:
 
 def _adapter_arrays(model) -> dict[str, jax.Array]:
     lora = eqx.filter(model, is_lora_param, is_leaf=is_lora_param)
-    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(lora, _is_array))[0]
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(lora, eqx.is_array))[0]
     return {_name(path): leaf for path, leaf in leaves}
 
 
@@ -89,17 +85,16 @@ def with_adapters_from_bytes(base, data: bytes):
         raise ValueError(f"not an adapters file of marin-rl: no {_METADATA_KEY!r} in its safetensors metadata")
     settings = json.loads(header[_METADATA_KEY])
     config = LoraConfig(r=settings["rank"], alpha=settings["alpha"], target_modules=settings["target_modules"])
-    # The shapes of the adapters on this base; the key only seeds arrays that are replaced below.
-    template = eqx.filter_eval_shape(loraize, base, config, jax.random.key(0))
-    expected = _adapter_arrays(template)
+    # The key only seeds the adapters' arrays, which are all replaced below.
+    adapted = loraize(base, config, jax.random.key(0))
+    expected = _adapter_arrays(adapted)
     given = dict(safetensors_arrays(data))
     if set(given) != set(expected):
         missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
         raise ValueError(f"the adapters do not fit the served model: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, shape in expected.items():
-        if given[name].shape != shape.shape:
-            raise ValueError(f"adapter {name}: shape {list(given[name].shape)}, the served model needs {list(shape.shape)}")
-    adapted = loraize(base, config, jax.random.key(0))
+    for name, array in expected.items():
+        if given[name].shape != array.shape:
+            raise ValueError(f"adapter {name}: shape {list(given[name].shape)}, the served model needs {list(array.shape)}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(adapted)
     values = [_like(leaf, given[_name(path)]) if _name(path) in expected else leaf for path, leaf in leaves]
     return jax.tree.unflatten(treedef, values)
