@@ -78,7 +78,9 @@ def summary(
 
 
 def run_marin(args, checkpoint: str | None) -> dict:
-    os.environ["USE_TORCH"] = "0"  # as `marin-rl train` runs: transformers without torch
+    from marin_rl._upstream import transformers_without_torch
+
+    transformers_without_torch()  # as `marin-rl train` runs
     if args.side == "both":  # TRL's process runs next on the same GPU while this one keeps what JAX took
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     from marin_rl.compiles import set_default_xla_flags

@@ -28,6 +28,26 @@ def restore_jax_core_is_constant_dim() -> None:
         jax.core.is_constant_dim = jax._src.core.is_constant_dim
 
 
+# --- transformers 4.57.6 -------------------------------------------------------------------------------
+
+
+def transformers_without_torch() -> None:
+    """Keep torch out of this process's transformers (nothing here uses it): `USE_TORCH=0` unless the user
+    set it, and, with it off, torchvision marked absent. transformers' `image_utils` (reached from
+    levanter's HF checkpoint module) imports torchvision wherever it is installed, USE_TORCH or not, and
+    torchvision imports torch: 10 s of a GPU run's start-up where the image ships both. Call before
+    transformers is imported."""
+    import importlib.util
+    import os
+
+    if os.environ.setdefault("USE_TORCH", "0").upper() not in ("0", "OFF", "NO", "FALSE"):
+        return
+    if importlib.util.find_spec("torchvision") is not None:
+        import transformers.utils.import_utils as import_utils
+
+        import_utils._torchvision_available = False
+
+
 CUDNN_ATTENTION_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 """jax 0.10.2: cuDNN attention with per-row segment lists, which `jax.nn.dot_product_attention` (one
 length per row) does not expose. Ships in the CPU jaxlib too (it only fails when called)."""

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 
+from marin_rl._upstream import transformers_without_torch
 from marin_rl.compiles import set_default_xla_flags
 from marin_rl.server._config import ServeConfig
 
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 def serve_main(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     set_default_xla_flags()
+    transformers_without_torch()
     # Heavy imports after the config is parsed.
     from marin_rl.server._policy_server import PolicyServer, bind_socket
     from marin_rl.tokenizer import load_tokenizer

@@ -4,6 +4,7 @@ failure here names the dependency release that changed it (see that entry's comm
 from __future__ import annotations
 
 import dataclasses
+import os
 import importlib
 import inspect
 import warnings
@@ -100,3 +101,33 @@ def test_layer_containers(container):
     modules = _upstream.layer_modules(layers)
     assert len(modules) == 3 and all(m.weight.axes == (Out, In) for m in modules)
     assert _upstream.layer_template(layers).Out == Out
+
+
+IMPORTS_TRANSFORMERS_IMAGE_UTILS = """
+import sys
+from marin_rl._upstream import transformers_without_torch
+if sys.argv[1] == "without":
+    transformers_without_torch()
+try:
+    import transformers.image_utils  # what levanter's HF checkpoint module reaches
+except ImportError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("call", ["without", "not called"])
+def test_transformers_leaves_an_installed_torchvision_alone(tmp_path, call):
+    """An installed torchvision (here a stand-in that records its import) is not imported once
+    `transformers_without_torch` ran: transformers would import it, and torch with it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "torchvision").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "torchvision" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise ImportError('stand-in')\n")
+    (tmp_path / "torchvision-0.99.0.dist-info").mkdir()
+    (tmp_path / "torchvision-0.99.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99.0\n")
+    env = {k: v for k, v in os.environ.items() if k != "USE_TORCH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    subprocess.run([sys.executable, "-c", IMPORTS_TRANSFORMERS_IMAGE_UTILS, call], env=env, check=True, timeout=300)
+    assert marker.exists() == (call == "not called")
