@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable, Sized
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 
 import jax
@@ -140,6 +140,8 @@ class EngineCore:
         self._deactivate = jax.jit(deactivate, donate_argnums=0)
         self._score = jit_on_leaves(score_prompt, self._weights, static_argnums=(1, 4))
         self._compiled_calls = {"prefill": self._prefill, "decode": self._decode, "deactivate": self._deactivate, "score": self._score}
+        self._executables: dict[tuple, Callable] = {}
+        """Prefill and decode executables compiled at start, by (call, shape and static arguments)."""
         self._new_allocator()
         self._reset_device_state()
         if config.precompile_prompt_lens:
@@ -182,28 +184,38 @@ class EngineCore:
                 rows = 1
                 while rows <= rows_bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
                     batch = PrefillBatch(**self.scheduler.empty_batch(rows, time_bucket))
-                    calls.append((self._prefill, (batch, self.kernels, truncate)))
+                    calls.append((("prefill", rows, time_bucket, truncate), self._prefill, (batch,), (self.kernels, truncate)))
                     rows *= 4
             for slots_used in slots_buckets(config.max_seqs) if config.precompile_decode else ():
-                calls.append((self._decode, (self.kernels, config.decode_steps, slots_used, truncate)))
-        # XLA compiles without the interpreter lock: the shapes compile side by side, then each runs once
-        # (finding its executable compiled), which is what `compiled_variants` counts. All cores but four,
+                static = (self.kernels, config.decode_steps, slots_used, truncate)
+                calls.append((("decode", slots_used, truncate), self._decode, (), static))
+
+        def compile_call(call):
+            key, fn, dynamic, static = call
+            return key, fn.lower(self._leaves, self._cache, self._state, *dynamic, *static).compile()
+
+        # XLA compiles without the interpreter lock: the shapes compile side by side. All cores but four,
         # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12
         # threads took the 0.5B run's start-up compile from 98 to 68 s; on 2 CPU cores one thread (two
-        # took 7.0 s where one took 6.1).
+        # took 7.0 s where one took 6.1). The engine then calls these executables: on jax 0.11 the jit's
+        # own first call of a shape traced it again and loaded it from the cache again (0.5 s a shape).
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), (os.cpu_count() or 1) - 4))) as pool:
-            list(pool.map(lambda call: call[0].lower(self._leaves, self._cache, self._state, *call[1]).compile(), calls))
-        for fn, args in calls:
-            with self._lock:
-                self._cache, self._state, *_ = fn(self._leaves, self._cache, self._state, *args)
-        jax.block_until_ready(self._state)
+            self._executables.update(pool.map(compile_call, calls))
         logger.info("engine: compiled %d shapes in %.1fs", len(calls), time.perf_counter() - start)
+
+    def _call(self, key: tuple, fn, dynamic: tuple, static: tuple):
+        """`fn(weights, cache, state, *dynamic, *static)`, through its executable compiled at start if any."""
+        executable = self._executables.get(key)
+        if executable is not None:
+            return executable(self._leaves, self._cache, self._state, *dynamic)
+        return fn(self._leaves, self._cache, self._state, *dynamic, *static)
 
     # ------------------------------------------------------------------------------------------- API
 
     def compiled_variants(self) -> dict[str, int]:
         """How many shapes each device call was compiled for (a weight swap must not add any)."""
-        return {name: jit_cache_size(fn) for name, fn in self._compiled_calls.items()}
+        precompiled = collections.Counter(key[0] for key in self._executables)
+        return {name: jit_cache_size(fn) + precompiled[name] for name, fn in self._compiled_calls.items()}
 
     def check_job(self, job: GenerationJob) -> None:
         """ValueError naming what makes `job` impossible for this engine."""
@@ -244,7 +256,10 @@ class EngineCore:
 
     def install(self, weights: ServingWeights, policy_version: int) -> None:
         """Serve `weights` (from `prepare`) from the next device call on."""
-        self._weights, self._leaves, self.policy_version = weights, weight_leaves(weights), policy_version
+        leaves = weight_leaves(weights)
+        if any(new.sharding != old.sharding for new, old in zip(leaves, self._leaves)):
+            self._executables.clear()  # compiled for the old placement: the jit compiles for the new one
+        self._weights, self._leaves, self.policy_version = weights, leaves, policy_version
 
     def add(self, jobs: Iterable[GenerationJob]) -> None:
         """Queue `jobs` (checked with `check_job`) for the next steps to admit."""
@@ -323,8 +338,9 @@ class EngineCore:
         self._hold_device()
         dispatched = time.perf_counter()
         variants = jit_cache_size(self._compiled_calls["prefill"])
-        self._cache, self._state, tokens, logprobs, finished = self._prefill(
-            self._leaves, self._cache, self._state, PrefillBatch(**admission.arrays), self.kernels, admission.truncate
+        rows, time_bucket = admission.arrays["token_ids"].shape
+        self._cache, self._state, tokens, logprobs, finished = self._call(
+            ("prefill", rows, time_bucket, admission.truncate), self._prefill, (PrefillBatch(**admission.arrays),), (self.kernels, admission.truncate)
         )
         self._count_compilation("prefill", variants, dispatched, "prefill of %d x %d prompt tokens" % admission.arrays["token_ids"].shape)
         self._in_flight.append(_InFlight("prefill", _copy_to_host((tokens, logprobs, finished)), dispatched, admission=admission))
@@ -335,8 +351,9 @@ class EngineCore:
         self._hold_device()
         dispatched = time.perf_counter()
         variants = jit_cache_size(self._compiled_calls["decode"])
-        self._cache, self._state, *outputs = self._decode(
-            self._leaves, self._cache, self._state, self.kernels, self.config.decode_steps, slots_used, scheduler.truncating
+        truncate = scheduler.truncating
+        self._cache, self._state, *outputs = self._call(
+            ("decode", slots_used, truncate), self._decode, (), (self.kernels, self.config.decode_steps, slots_used, truncate)
         )
         self._count_compilation("decode", variants, dispatched, f"decode of {slots_used} slots")
         self._in_flight.append(_InFlight("decode", _copy_to_host(outputs), dispatched, owners=list(scheduler.slots[:slots_used])))
