@@ -18,6 +18,7 @@ import threading
 import uuid
 from dataclasses import replace
 
+from marin_rl._upstream import transformers_without_torch
 from marin_rl.compiles import set_default_xla_flags
 from marin_rl.types import Rollout
 
@@ -34,6 +35,7 @@ class ServerActor:
     def __init__(self, server_config, model_config, vocab_size: int, tokenizer: str, *, port: int, gpu: bool):
         """`model_config` is the learner's Levanter model config: weights arrive as its parameters."""
         set_default_xla_flags()  # as `marin-rl train` and `serve` run, before JAX starts here
+        transformers_without_torch()
         if not gpu:
             _cpu_only()
         self.instance = uuid.uuid4().hex  # a restarted actor is a new instance
@@ -79,6 +81,11 @@ class ServerActor:
             except OSError as e:
                 server.shutdown()
                 raise ValueError(f"ray.server_port: cannot listen on {self.config.host}:{self.config.port} ({e})") from e
+            import jax
+
+            from marin_rl.interpreter import tune_interpreter
+
+            tune_interpreter(jax.default_backend())  # for the actor's life, as `marin-rl serve` does
         else:
             self._server.swap_weights(model, policy_version, wait=True)
         return policy_version

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import gc
 import logging
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -19,6 +17,7 @@ from marin_rl._upstream import device_memory_stats
 from marin_rl.compiles import CompileCounter, enable_compilation_cache
 from marin_rl.config import TrainConfig
 from marin_rl.errors import ConfigError, DiskFull, PermanentError
+from marin_rl.interpreter import tune_interpreter
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Hooks, Shutdown, StepInfo
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes
@@ -34,14 +33,6 @@ if TYPE_CHECKING:
     from marin_rl.server import PolicyServer
 
 logger = logging.getLogger(__name__)
-
-# The interpreter's switch interval during a run, by platform. On a GPU the engine thread must feed the
-# device: 0.5 -> 0.1 ms took the 0.5B loop's prefill calls from 39.8 to 23.7 ms and the learner's wait
-# from 0.60 to 0.55 (H100). On a CPU the threads share the cores: 0.1 ms made the quickstart's step 8%
-# slower than 0.5 ms.
-SWITCH_INTERVAL_S = {"gpu": 0.0001}
-DEFAULT_SWITCH_INTERVAL_S = 0.0005
-
 
 @dataclass
 class Run:
@@ -181,7 +172,7 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     shutdown.close_later(metrics_log.close)
     progress = shutdown.enter_context(ProgressLine(config.max_steps, run.start_step, [e.name for e in config.envs]))
     _add_hooks(run, metrics_log, progress)
-    _tune_interpreter(jax.default_backend(), shutdown)
+    shutdown.close_later(tune_interpreter(jax.default_backend()))
     run.started = True  # from here on, whatever ends the run is checkpointed
     broadcaster.start(learner.model, learner.policy_version)  # remote servers: this run's weights, before any sampling
     run.workers.start(free_running=not config.deterministic)
@@ -273,21 +264,6 @@ def _endpoints(config: TrainConfig, servers: list, broadcaster) -> list[Endpoint
         for transport in broadcaster.transports[len(servers) :]
     ]
     return endpoints
-
-
-def _tune_interpreter(backend: str, shutdown: Shutdown) -> None:
-    """For the run's length: start-up's objects out of the collector's sight, shorter turns on the GIL."""
-    # What start-up made (modules, compiled functions, the model) lives as long as the run: frozen, full
-    # collections stop pausing every thread for 0.3-0.4 s every ~20 quickstart steps. Unfrozen at the end,
-    # so that runs in one process leave nothing behind.
-    gc.freeze()
-    shutdown.close_later(gc.unfreeze)
-    # The engine thread, the env workers and the learner share one interpreter lock: a thread that wants it
-    # waits up to the switch interval (5 ms by default) for the holder to let go, several times per engine
-    # call. Shorter turns keep the device fed.
-    interval = sys.getswitchinterval()
-    shutdown.close_later(lambda: sys.setswitchinterval(interval))
-    sys.setswitchinterval(SWITCH_INTERVAL_S.get(backend, DEFAULT_SWITCH_INTERVAL_S))
 
 
 def _timed_eval(workers: EnvWorkers, step: int) -> dict[str, float]:

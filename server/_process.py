@@ -26,6 +26,9 @@ def serve_main(config: ServeConfig) -> None:
     set_default_xla_flags()
     transformers_without_torch()
     # Heavy imports after the config is parsed.
+    import jax
+
+    from marin_rl.interpreter import tune_interpreter
     from marin_rl.server._policy_server import PolicyServer, bind_socket
     from marin_rl.tokenizer import load_tokenizer
 
@@ -41,6 +44,7 @@ def serve_main(config: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start(sock)
+    tune_interpreter(jax.default_backend())  # for the process's life
     logger.info("serving %s (policy version %d) at %s", config.checkpoint, config.policy_version, server.base_url)
     if config.ready_file is not None:
         _write_atomically(config.ready_file, json.dumps({"base_url": server.base_url, "pid": os.getpid()}))
