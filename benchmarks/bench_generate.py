@@ -2,8 +2,9 @@
 
 A randomly initialised Llama of the 1B shape (hidden 2048, MLP 8192, 16 layers, 32/8 heads, vocab
 32,000, bf16), prompts of 128 random tokens, every completion exactly `new_tokens` long (no stop), for
-each number of concurrent requests (n=1 each). Prints generated tokens/s and the median time to first
-token; with torch installed (another process, so its CUDA context is separate), the same shape
+each number of concurrent requests (n=1 each; each client sends `--requests-per-client` requests one
+after the other, so that many stay in flight). Prints generated tokens/s, the median time to first
+token and the engine's milliseconds per decode step in each mode; with torch installed (another process, so its CUDA context is separate), the same shape
 through transformers `generate()` (sampling, dynamic cache).
 
     python benchmarks/bench_generate.py                          # the 1B shape, on the GPU machine
@@ -20,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -70,17 +72,46 @@ def jobs_for(concurrency: int, prompt_len: int, new_tokens: int, vocab: int, see
     ]
 
 
-def engine_run(engine, jobs) -> tuple[float, float, float]:
-    """(generated tokens/s, median time to first token in s, ms per decode step) for `jobs` submitted at once."""
-    steps, seconds = engine.stats.decode_steps, engine.stats.decode_seconds
+def engine_load(engine, since: dict | None = None, wall: float = 0.0) -> dict:
+    """The engine's counters now, or (`since`: counters from before a run of `wall` seconds) that run's
+    ms per decode step, slots decoded per step, prefill calls, and the share of the wall time the device
+    worked for the engine: tokens/s is slots / step time x that share."""
+    s = engine.stats
+    now = {"steps": s.decode_steps, "seconds": s.decode_seconds + s.prefill_seconds, "decode_s": s.decode_seconds, "tokens": s.generated_tokens, "prefills": s.prefill_calls}
+    if since is None:
+        return now
+    delta = {k: now[k] - since[k] for k in now}
+    steps = max(1, delta["steps"])
+    return {
+        "step_ms": 1000 * delta["decode_s"] / steps,
+        "slots": (delta["tokens"] - delta["prefills"]) / steps,
+        "prefills": delta["prefills"],
+        "busy": delta["seconds"] / wall,
+    }
+
+
+def engine_run(engine, jobs, concurrency: int) -> tuple[float, float, dict]:
+    """(generated tokens/s, median time to first token in s, `engine_load`) for `jobs` with `concurrency`
+    in flight: each one that ends submits the next, as a client with that many workers does."""
+    before = engine_load(engine)
+    waiting = list(reversed(jobs[concurrency:]))
+    lock, finished = threading.Lock(), threading.Semaphore(0)
+
+    def submit_next(_future) -> None:
+        with lock:
+            job = waiting.pop() if waiting else None
+        if job is not None:
+            engine.submit(job).add_done_callback(submit_next)
+        finished.release()
+
     start = time.perf_counter()
-    for job in jobs:
-        engine.submit(job)
-    results = [job.future.result() for job in jobs]
+    for job in jobs[:concurrency]:
+        engine.submit(job).add_done_callback(submit_next)
+    for _ in jobs:
+        finished.acquire()
     wall = time.perf_counter() - start
-    tokens = sum(len(s.token_ids) for r in results for s in r.samples)
-    step_ms = 1000 * (engine.stats.decode_seconds - seconds) / max(1, engine.stats.decode_steps - steps)
-    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in jobs), step_ms
+    tokens = sum(len(s.token_ids) for j in jobs for s in j.future.result().samples)
+    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in jobs), engine_load(engine, before, wall)
 
 
 def prefill_run(engine, jobs) -> tuple[float, float]:
@@ -95,42 +126,58 @@ def prefill_run(engine, jobs) -> tuple[float, float]:
     return 1000 * (engine.stats.prefill_seconds - seconds) / (engine.stats.prefill_calls - calls), 1000 * wall / len(jobs)
 
 
-def http_run(server, jobs, client_process: bool = False) -> tuple[float, float]:
-    """The same through POST /v1/completions (token-id prompts), all requests in flight at once, from an
+def http_run(server, jobs, concurrency: int, client_process: bool = False) -> tuple[float, float, dict]:
+    """The same through POST /v1/completions (token-id prompts), `concurrency` requests in flight, from an
     `openai.AsyncOpenAI` client in this process, or (`client_process`) in a process of its own, as a
     remote env worker sends them: in this process the client's Python (httpx's connection pool, response
     parsing) holds the interpreter lock the server and the engine's host loop need."""
     submitted = []
-    submit = server.engine.submit
+    engine = server.engine
+    submit = engine.submit
+    before = engine_load(engine)
 
     def recording_submit(job):  # the engine's view of each request, for its time to first token
         submitted.append(job)
         return submit(job)
 
     requests = [{"prompt": j.prompt_ids, "max_tokens": j.max_tokens, "seed": j.seed} for j in jobs]
-    server.engine.submit = recording_submit
+    engine.submit = recording_submit
     try:
         if client_process:
             out = subprocess.run(
-                [sys.executable, __file__, "--client-of", server.base_url], input=json.dumps(requests), capture_output=True, text=True, check=True
+                [sys.executable, __file__, "--client-of", server.base_url, "--concurrency", str(concurrency)],
+                input=json.dumps(requests),
+                capture_output=True,
+                text=True,
+                check=True,
             )
             tokens, wall = json.loads(out.stdout.strip().splitlines()[-1])
         else:
-            tokens, wall = asyncio.run(send_completions(server.base_url, requests))
+            tokens, wall = asyncio.run(send_completions(server.base_url, requests, concurrency))
     finally:
-        server.engine.submit = submit
-    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted)
+        engine.submit = submit
+    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted), engine_load(engine, before, wall)
 
 
-async def send_completions(base_url: str, requests: list[dict]) -> tuple[int, float]:
-    """(completion tokens, seconds) of `requests` sent at once with the `openai` client."""
+async def send_completions(base_url: str, requests: list[dict], concurrency: int) -> tuple[int, float]:
+    """(completion tokens, seconds) of `requests` sent with the `openai` client by `concurrency` workers,
+    each sending its next request when its last one is answered."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
+        waiting = list(reversed(requests))
+        tokens = 0
+
+        async def worker() -> None:
+            nonlocal tokens
+            while waiting:
+                r = waiting.pop()
+                response = await client.completions.create(model="policy", temperature=1.0, extra_body={"ignore_eos": True}, **r)
+                tokens += response.usage.completion_tokens
+
         start = time.perf_counter()
-        calls = [client.completions.create(model="policy", temperature=1.0, extra_body={"ignore_eos": True}, **r) for r in requests]
-        responses = await asyncio.gather(*calls)
-        return sum(r.usage.completion_tokens for r in responses), time.perf_counter() - start
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens, time.perf_counter() - start
 
 
 def transformers_run(size: str, concurrency: int, prompt_len: int, new_tokens: int) -> float | None:
@@ -177,6 +224,12 @@ def main() -> None:
         choices=["engine", "http", "http-process", "transformers"],
         help="http: the openai client in this process; http-process: in a process of its own",
     )
+    parser.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=4,
+        help="requests each of the concurrent clients sends, one after the other (1: one wave, where the start and the end of the wave weigh)",
+    )
     parser.add_argument("--transformers-concurrency", type=int, nargs="+", default=None, help="default: --concurrency")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=16)
@@ -198,12 +251,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.client_of:
-        print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read())))))
+        print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read()), args.concurrency[0]))))
         return
 
     import jax
 
     from marin_rl._upstream import restore_jax_core_is_constant_dim
+    from marin_rl.interpreter import tune_interpreter
     from marin_rl.server import InferenceServerConfig, PolicyServer
     from marin_rl.tokenizer import load_tokenizer
 
@@ -230,6 +284,7 @@ def main() -> None:
     vocab = SIZES[args.size][-1]
     tokenizer = load_tokenizer("char")  # the HTTP layer needs one; prompts are token ids
     server = PolicyServer(config, model, tokenizer).start()
+    tune_interpreter(jax.default_backend())  # as `marin-rl serve` runs
     if args.lora_rank:  # a swap of the adapted model: the engine's copy of its weights, adapters merged or not
         seconds = [server.swap_weights(model, 0).copy_seconds for _ in range(3)]
         print(f"lora rank {args.lora_rank}, {args.lora_serving}: swap copy seconds {', '.join(f'{s:.3f}' for s in seconds)}")
@@ -244,17 +299,20 @@ def main() -> None:
     for new_tokens in args.new_tokens:
         for concurrency in args.concurrency:
             start = time.perf_counter()  # a short run first: the rare shapes (steps < decode_steps), Python paths
-            http_run(server, jobs_for(concurrency, args.prompt_len, 2 * args.decode_steps, vocab, 0))
+            http_run(server, jobs_for(concurrency, args.prompt_len, 2 * args.decode_steps, vocab, 0), concurrency)
             row = {"new_tokens": new_tokens, "concurrency": concurrency, "warmup_s": round(time.perf_counter() - start, 1)}
+            count = concurrency * args.requests_per_client
             if "engine" in args.modes:
-                row["engine_tok_s"], row["engine_ttft_s"], row["step_ms"] = engine_run(
-                    engine, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 1)
-                )
+                jobs = jobs_for(count, args.prompt_len, new_tokens, vocab, 1)
+                row["engine_tok_s"], row["engine_ttft_s"], row["engine_load"] = engine_run(engine, jobs, concurrency)
             if "http" in args.modes:
-                row["http_tok_s"], row["http_ttft_s"] = http_run(server, jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2))
+                jobs = jobs_for(count, args.prompt_len, new_tokens, vocab, 2)
+                row["http_tok_s"], row["http_ttft_s"], row["http_load"] = http_run(server, jobs, concurrency)
             if "http-process" in args.modes:
-                jobs = jobs_for(concurrency, args.prompt_len, new_tokens, vocab, 2)
-                row["http_process_tok_s"], row["http_process_ttft_s"] = http_run(server, jobs, client_process=True)
+                jobs = jobs_for(count, args.prompt_len, new_tokens, vocab, 2)
+                row["http_process_tok_s"], row["http_process_ttft_s"], row["http_process_load"] = http_run(
+                    server, jobs, concurrency, client_process=True
+                )
             print(json.dumps(row), flush=True)
             rows.append(row)
     # Prefill latency: one prompt of --prefill-group samples at a time, as an RL env worker sends them.
@@ -274,7 +332,7 @@ def main() -> None:
         from bench_learner import print_top_ops
 
         with jax.profiler.trace(args.profile):
-            engine_run(engine, jobs_for(rows[-1]["concurrency"], args.prompt_len, rows[-1]["new_tokens"], vocab, 3))
+            engine_run(engine, jobs_for(rows[-1]["concurrency"], args.prompt_len, rows[-1]["new_tokens"], vocab, 3), rows[-1]["concurrency"])
         print_top_ops(args.profile)
     stats = engine.stats
     server.shutdown()
@@ -298,6 +356,15 @@ def main() -> None:
             f"{r.get('http_tok_s', 0):>10,.0f} {r.get('http_ttft_s', 0):>7.3f} | "
             f"{r.get('http_process_tok_s', 0):>20,.0f} {r.get('http_process_ttft_s', 0):>7.3f} | {hf or 0:>12,.0f} {ratio:>5}"
         )
+    print("the engine in each run: ms per decode step, slots decoded per step, prefill calls, share of the time the device worked")
+    for r in rows:
+        for mode in ("engine", "http", "http_process"):
+            if f"{mode}_load" in r:
+                load = r[f"{mode}_load"]
+                print(
+                    f"  {r['new_tokens']:>5} x {r['concurrency']:>4} {mode:>12}: {load['step_ms']:.2f} ms, {load['slots']:.1f} slots, "
+                    f"{load['prefills']} prefills, busy {load['busy']:.2f}"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
