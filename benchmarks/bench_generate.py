@@ -126,11 +126,12 @@ def prefill_run(engine, jobs) -> tuple[float, float]:
     return 1000 * (engine.stats.prefill_seconds - seconds) / (engine.stats.prefill_calls - calls), 1000 * wall / len(jobs)
 
 
-def http_run(server, jobs, concurrency: int, client_process: bool = False) -> tuple[float, float, dict]:
+def http_run(server, jobs, concurrency: int, client_processes: int = 0) -> tuple[float, float, dict]:
     """The same through POST /v1/completions (token-id prompts), `concurrency` requests in flight, from an
-    `openai.AsyncOpenAI` client in this process, or (`client_process`) in a process of its own, as a
-    remote env worker sends them: in this process the client's Python (httpx's connection pool, response
-    parsing) holds the interpreter lock the server and the engine's host loop need."""
+    `openai.AsyncOpenAI` client in this process (`client_processes` 0), or split among that many client
+    processes, as remote env workers send them. In this process the client's Python (httpx's connection
+    pool, response parsing) holds the interpreter lock the server and the engine's host loop need; one
+    client process parses the answers of a wave of equal-length requests one after the other."""
     submitted = []
     engine = server.engine
     submit = engine.submit
@@ -143,25 +144,33 @@ def http_run(server, jobs, concurrency: int, client_process: bool = False) -> tu
     requests = [{"prompt": j.prompt_ids, "max_tokens": j.max_tokens, "seed": j.seed} for j in jobs]
     engine.submit = recording_submit
     try:
-        if client_process:
-            out = subprocess.run(
-                [sys.executable, __file__, "--client-of", server.base_url, "--concurrency", str(concurrency)],
-                input=json.dumps(requests),
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            tokens, wall = json.loads(out.stdout.strip().splitlines()[-1])
+        if client_processes:
+            start_at = time.time() + 5  # every client imported and connected by then
+            clients = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--client-of", server.base_url, f"--concurrency={concurrency // client_processes}", f"--start-at={start_at}"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(client_processes)
+            ]
+            answers = [client.communicate(json.dumps(requests[i::client_processes]))[0] for i, client in enumerate(clients)]
+            if any(client.returncode for client in clients):
+                raise RuntimeError(f"a client process failed: exit codes {[client.returncode for client in clients]}")
+            results = [json.loads(answer.strip().splitlines()[-1]) for answer in answers]
+            tokens, wall = sum(r[0] for r in results), max(r[2] for r in results) - start_at
         else:
-            tokens, wall = asyncio.run(send_completions(server.base_url, requests, concurrency))
+            tokens, started, ended = asyncio.run(send_completions(server.base_url, requests, concurrency))
+            wall = ended - started
     finally:
         engine.submit = submit
     return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted), engine_load(engine, before, wall)
 
 
-async def send_completions(base_url: str, requests: list[dict], concurrency: int) -> tuple[int, float]:
-    """(completion tokens, seconds) of `requests` sent with the `openai` client by `concurrency` workers,
-    each sending its next request when its last one is answered."""
+async def send_completions(base_url: str, requests: list[dict], concurrency: int, start_at: float | None = None) -> tuple[int, float, float]:
+    """(completion tokens, start, end as `time.time()`) of `requests` sent with the `openai` client by
+    `concurrency` workers, each sending its next request when its last one is answered; from `start_at` on."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600) as client:
@@ -175,9 +184,11 @@ async def send_completions(base_url: str, requests: list[dict], concurrency: int
                 response = await client.completions.create(model="policy", temperature=1.0, extra_body={"ignore_eos": True}, **r)
                 tokens += response.usage.completion_tokens
 
-        start = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        start = time.time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return tokens, time.perf_counter() - start
+        return tokens, start, time.time()
 
 
 def transformers_run(size: str, concurrency: int, prompt_len: int, new_tokens: int) -> float | None:
@@ -222,7 +233,7 @@ def main() -> None:
         nargs="+",
         default=["engine", "http", "http-process", "transformers"],
         choices=["engine", "http", "http-process", "transformers"],
-        help="http: the openai client in this process; http-process: in a process of its own",
+        help="http: the openai client in this process; http-process: in --client-processes processes of their own",
     )
     parser.add_argument(
         "--requests-per-client",
@@ -239,7 +250,9 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=None, help="engine context (and KV cache per slot); default prompt + new tokens")
     parser.add_argument("--profile", default=None, help="trace one more engine run (the last row's shape) into this dir; print its top ops")
     parser.add_argument("--prefill-group", type=int, default=8, help="samples per prompt of the prefill-latency run")
-    parser.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # http-process: the client, requests on stdin
+    parser.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # http-process: a client, requests on stdin
+    parser.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)  # a client's start (time.time())
+    parser.add_argument("--client-processes", type=int, default=1, help="http-process: client processes sharing the concurrent requests")
     parser.add_argument("--prefill-profile", default=None, help="trace the prefill-latency run into this dir; print its top ops")
     parser.add_argument("--lora-rank", type=int, default=0, help="serve the model with trained LoRA adapters of this rank (every linear layer)")
     parser.add_argument(
@@ -251,7 +264,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.client_of:
-        print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read()), args.concurrency[0]))))
+        print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read()), args.concurrency[0], args.start_at))))
         return
 
     import jax
@@ -311,7 +324,7 @@ def main() -> None:
             if "http-process" in args.modes:
                 jobs = jobs_for(count, args.prompt_len, new_tokens, vocab, 2)
                 row["http_process_tok_s"], row["http_process_ttft_s"], row["http_process_load"] = http_run(
-                    server, jobs, concurrency, client_process=True
+                    server, jobs, concurrency, client_processes=args.client_processes
                 )
             print(json.dumps(row), flush=True)
             rows.append(row)
