@@ -142,6 +142,16 @@ def http_run(server, jobs, concurrency: int, client_processes: int = 0) -> tuple
         return submit(job)
 
     requests = [{"prompt": j.prompt_ids, "max_tokens": j.max_tokens, "seed": j.seed} for j in jobs]
+    occupancy, done = [], threading.Event()
+
+    def watch() -> None:  # every 10 ms: requests the server holds, and of them queued in the engine
+        while not done.wait(0.01):
+            held = sum(not j.future.done() for j in submitted)
+            if held:
+                occupancy.append((held, engine.stats.queued))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     engine.submit = recording_submit
     try:
         if client_processes:
@@ -165,7 +175,11 @@ def http_run(server, jobs, concurrency: int, client_processes: int = 0) -> tuple
             wall = ended - started
     finally:
         engine.submit = submit
-    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted), engine_load(engine, before, wall)
+        done.set()
+        watcher.join()
+    load = engine_load(engine, before, wall)
+    load["held"], load["queued"] = (statistics.mean(o[i] for o in occupancy) if occupancy else 0.0 for i in (0, 1))
+    return tokens / wall, statistics.median(j.first_token_at - j.submitted_at for j in submitted), load
 
 
 async def send_completions(base_url: str, requests: list[dict], concurrency: int, start_at: float | None = None) -> tuple[int, float, float]:
@@ -374,9 +388,10 @@ def main() -> None:
         for mode in ("engine", "http", "http_process"):
             if f"{mode}_load" in r:
                 load = r[f"{mode}_load"]
+                held = f", requests held by the server {load['held']:.1f} (queued {load['queued']:.1f})" if "held" in load else ""
                 print(
                     f"  {r['new_tokens']:>5} x {r['concurrency']:>4} {mode:>12}: {load['step_ms']:.2f} ms, {load['slots']:.1f} slots, "
-                    f"{load['prefills']} prefills, busy {load['busy']:.2f}"
+                    f"{load['prefills']} prefills, busy {load['busy']:.2f}{held}"
                 )
     if args.json:
         with open(args.json, "w") as f:
