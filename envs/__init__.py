@@ -33,6 +33,7 @@ from marin_rl.envs._sampling import (
     SamplerError,
     SamplingParams,
     ScriptedSampler,
+    async_openai_client,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "SamplingParams",
     "Scores",
     "ScriptedSampler",
+    "async_openai_client",
     "ToyAdditionEnv",
     "ToyNextLetterEnv",
     "VerifierThreads",

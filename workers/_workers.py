@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from marin_rl.config import EvalConfig, TrainConfig
-from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, RolloutSettings, evaluate, gather_all, sample_group
+from marin_rl.envs import Env, OpenAISampler, Problem, ProblemStream, RolloutSettings, async_openai_client, evaluate, gather_all, sample_group
 from marin_rl.errors import PermanentError
 from marin_rl.replay import AlgorithmConfig, BatchCancelled, ReplayBuffer, TeacherConfig, effective_shares
 from marin_rl.types import Rollout
@@ -183,18 +183,18 @@ class EnvWorkers:
             self._loop.close()
 
     async def _main(self, free_running: bool) -> None:
-        from openai import AsyncOpenAI
-
         self._stopping = asyncio.Event()
-        clients = [AsyncOpenAI(base_url=e.base_url, api_key="EMPTY", max_retries=0, timeout=e.request_timeout_s) for e in self.endpoints]
-        self._samplers = [
-            GatedSampler(e.local or OpenAISampler(c, e.model, server_id=e.server_id), e) for c, e in zip(clients, self.endpoints)
-        ]
+        clients = []  # over HTTP: the endpoints in other processes, teachers
+        self._samplers = []
+        for e in self.endpoints:
+            if e.local is None:
+                clients.append(async_openai_client(e.base_url, "EMPTY", max_retries=0, timeout=e.request_timeout_s))
+            self._samplers.append(GatedSampler(e.local or OpenAISampler(clients[-1], e.model, server_id=e.server_id), e))
         self._router = LeastLoadedSampler(self._samplers)
         self._teachers: dict[str, tuple[OpenAISampler, TeacherScorer | None]] = {}
         for name, spec in self.specs.items():
             if spec.teacher is not None:
-                teacher_client = AsyncOpenAI(base_url=spec.teacher.base_url, api_key=spec.teacher.api_key, max_retries=0)
+                teacher_client = async_openai_client(spec.teacher.base_url, spec.teacher.api_key, max_retries=0)
                 clients.append(teacher_client)
                 # A frozen teacher reports no useful version: its rollouts never age (algorithm.frozen_source).
                 sampler = OpenAISampler(teacher_client, spec.teacher.model, server_id="teacher", policy_version=0)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Source from the project root on the offline GPU machine (carry .whl and .ray, made by
-# shared/device/prepare.sh):  source benchmarks/device/setup_gpu.sh
+# shared/device/prepare.sh, given the aiohttp backend's pins too: aiohttp==3.14.5 httpx-aiohttp==0.2.0
+# multidict==7.2.1 yarl==1.25.1 frozenlist==1.8.0 aiosignal==1.4.0 propcache==0.5.4
+# aiohappyeyeballs==2.7.1 attrs==26.1.0):  source benchmarks/device/setup_gpu.sh
 # Our side: the project's wheels in /tmp/site, the project itself as the `marin_rl` namespace in /tmp/mr
 # (as an install lays it out). TRL's side (TRL_PYTHONPATH, for bench_vs_trl.py): the image's torch,
 # transformers and accelerate, with trl and datasets from .whl in /tmp/trl.
