@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marin_rl.compiles import CompileCounter
 from marin_rl.engine import DeviceLock, Engine, EngineConfig, GenerationJob
 from marin_rl.learner import ModelConfig, build_model, sequence_logprobs
 from marin_rl.rl_example import BATCH_AXIS, POS_AXIS
@@ -188,11 +189,16 @@ def test_mixed_load_with_a_weight_swap_finishes_everything_and_frees_every_page(
 
 def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_are_counted():
     config = EngineConfig(max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,))
-    engine = Engine(config, tiny("llama", 0))
+    engine = Engine(config, tiny("llama", 0), device=jax.devices()[0])  # placed, as a training run's engine is
+    swapped_in = tiny("llama", 1)
     try:
-        run(engine, [job(range(1, 11), n=n, max_tokens=9, seed=n) for n in (1, 3, 8)])  # prompts of the precompiled bucket
-        engine.swap(tiny("llama", 1), policy_version=1)
-        run(engine, [job(range(5, 14), n=2, max_tokens=5)])
+        # JAX's own count: serving a precompiled shape neither compiles nor loads it again (the jit's first
+        # call of a shape compiled ahead of time used to trace it and fetch it from the cache again).
+        with CompileCounter() as compiles:
+            run(engine, [job(range(1, 11), n=n, max_tokens=9, seed=n) for n in (1, 3, 8)])  # prompts of the precompiled bucket
+            engine.swap(swapped_in, policy_version=1)
+            run(engine, [job(range(5, 14), n=2, max_tokens=5)])
+        assert compiles.count == 0 and compiles.trace_seconds == 0, compiles.compiled
         assert engine.stats.compilations == 0
         run(engine, [job(range(1, 41), max_tokens=3)])  # 40 tokens: a prefill bucket that was not precompiled
         assert engine.stats.compilations == 1
