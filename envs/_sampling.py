@@ -108,13 +108,13 @@ class Sampler(ABC):
 
 def async_openai_client(base_url: str, api_key: str, **kwargs):
     """An `openai.AsyncOpenAI` client over aiohttp (`kwargs`: the client's, e.g. `max_retries`, `timeout`).
-    httpx, the SDK's default, spends about 10 ms of CPU a request in its connection pool with 128 requests
-    in flight on the 2-core VM, where aiohttp spends about 2.5 (`benchmarks/bench_generate.py --client`):
-    one env-worker process could not keep a GPU engine's slots full. Make it inside the event loop that
-    uses it."""
+    With 128 requests in flight, httpx (the SDK's default) spent about 10 ms of CPU a request in its
+    connection pool on the 2-core VM and aiohttp about 3 (`benchmarks/bench_http.py --latency 0.25
+    --client ...`): over httpx one env-worker process could not keep a GPU engine's slots full. Make it
+    inside the event loop that uses it."""
     from openai import AsyncOpenAI, DefaultAioHttpClient
 
-    return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=DefaultAioHttpClient(timeout=kwargs.get("timeout")), **kwargs)
+    return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=DefaultAioHttpClient(), **kwargs)
 
 
 class OpenAISampler(Sampler):
