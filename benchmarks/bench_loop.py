@@ -185,9 +185,10 @@ def summarize(run_dir: Path, args, wall: float | None) -> None:
             f"prefill: {delta['server/prefill_calls']:.0f} calls of {1000 * delta['server/prefill_seconds'] / calls:.1f} ms, "
             f"{delta['server/requests'] / calls:.1f} requests (groups) each; shapes compiled meanwhile: {delta['server/compilations']:.0f}"
         )
-    if "mismatch/addition/kl" in steady[0]:
-        kl, diff = (np.median([r[f"mismatch/addition/{k}"] for r in steady]) for k in ("kl", "max_abs_diff"))
-        print(f"mismatch at the same policy version (median over steps): KL {kl:.3g}, max |delta log-prob| {diff:.3g}")
+    measured = [r for r in steady if "mismatch/addition/kl" in r]  # steps with rollouts of the same policy version
+    if measured:
+        kl, diff = (np.median([r[f"mismatch/addition/{k}"] for r in measured]) for k in ("kl", "max_abs_diff"))
+        print(f"mismatch at the same policy version (median over {len(measured)} steps): KL {kl:.3g}, max |delta log-prob| {diff:.3g}")
     wait = sum(r["time/wait_data_s"] for r in steady)
     print(f"share of wall time the learner waits for data: {wait / steady_wall:.2f}")
     print(f"packing efficiency: {np.mean([r['batch/packing_efficiency'] for r in steady]):.3f}")
