@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -121,8 +123,10 @@ def train_command(args, console: Console) -> int:
 
     stop = threading.Event()
 
-    def request_stop(signum, _frame):
+    def request_stop(signum, frame):
         if stop.is_set():
+            if deferred_past_gc(signum, frame):
+                return
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # a third press must not interrupt the clean-up
             raise KeyboardInterrupt
@@ -150,6 +154,19 @@ def train_command(args, console: Console) -> int:
     console.print(f"next: marin-rl plot {result.run_dir}", highlight=False)
     console.print(f"      marin-rl rollouts view {result.run_dir}", highlight=False)
     return 0
+
+
+def deferred_past_gc(signum: int, frame) -> bool:
+    """For a signal handler about to raise: True, and the signal delivered again 10 ms later, when `frame`
+    runs inside a garbage-collector callback (JAX registers one). Python prints and drops an exception
+    raised there ("Exception ignored in ..."), so the raise must wait for the collection to end."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:
+            threading.Timer(0.01, _thread.interrupt_main, (signum,)).start()
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _TrainHelp(argparse.Action):
