@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import _thread
 import argparse
-import gc
 import logging
 import signal
 import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -125,17 +125,14 @@ def train_command(args, console: Console) -> int:
 
     def request_stop(signum, frame):
         if stop.is_set():
-            if deferred_past_gc(signum, frame):
-                return
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)  # a third press must not interrupt the clean-up
-            raise KeyboardInterrupt
+            abort()
         # Set before printing: a second press during the print (the user has just seen the line) aborts.
         stop.set()
         console.print(f"[yellow]{signal.Signals(signum).name}: finishing the step, saving rollouts and a checkpoint (again to abort)")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, request_stop)
+    redeliver_dropped_interrupts()  # for the process's life: it ends with the run
     console.print(f"marin-rl train: {args.config} -> {config.run_dir} ({config.max_steps} steps)", highlight=False)
     if checked.resume_from is not None:
         console.print(f"resuming from {checked.resume_from}", highlight=False)
@@ -156,17 +153,30 @@ def train_command(args, console: Console) -> int:
     return 0
 
 
-def deferred_past_gc(signum: int, frame) -> bool:
-    """For a signal handler about to raise: True, and the signal delivered again 10 ms later, when `frame`
-    runs inside a garbage-collector callback (JAX registers one). Python prints and drops an exception
-    raised there ("Exception ignored in ..."), so the raise must wait for the collection to end."""
-    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
-    while frame is not None:
-        if frame.f_code in callbacks:
-            threading.Timer(0.01, _thread.interrupt_main, (signum,)).start()
-            return True
-        frame = frame.f_back
-    return False
+def abort(*_signal) -> None:
+    """A second Ctrl-C: KeyboardInterrupt, and the signals ignored from here on (a third press must not
+    interrupt the clean-up). Also a signal handler."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def redeliver_dropped_interrupts() -> Callable[[], None]:
+    """A signal handler may run where Python cannot propagate an exception: in a garbage-collector callback
+    (JAX registers one), a weakref callback, a `__del__`. Python then prints "Exception ignored in ..." and
+    drops it, and an aborted run would go on. From now on a dropped KeyboardInterrupt is raised again in
+    the main thread 10 ms later (until it lands). Returns what restores the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, abort)  # handlers are set from the main thread only: here
+            threading.Timer(0.01, _thread.interrupt_main).start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    return lambda: setattr(sys, "unraisablehook", previous)
 
 
 class _TrainHelp(argparse.Action):
