@@ -129,9 +129,9 @@ def prefill_run(engine, jobs) -> tuple[float, float]:
 def http_run(server, jobs, concurrency: int, client_processes: int = 0, client: str = "aiohttp") -> tuple[float, float, dict]:
     """The same through POST /v1/completions (token-id prompts), `concurrency` requests in flight, from an
     `openai.AsyncOpenAI` client in this process (`client_processes` 0), or split among that many client
-    processes, as remote env workers send them. In this process the client's Python (httpx's connection
-    pool, response parsing) holds the interpreter lock the server and the engine's host loop need; one
-    client process parses the answers of a wave of equal-length requests one after the other."""
+    processes, as remote env workers send them. In this process the client's Python (its connection pool,
+    response parsing) holds the interpreter lock the server and the engine's host loop need; one client
+    process parses the answers of a wave of equal-length requests one after the other."""
     submitted = []
     engine = server.engine
     submit = engine.submit
