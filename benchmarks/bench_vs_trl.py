@@ -142,7 +142,7 @@ def run_marin(args, checkpoint: str | None) -> dict:
         f"after step 1: {records[-1]['compile/count'] - records[0]['compile/count']:.0f} compilations, longest step "
         f"{max(later):.2f} s = {max(later) / statistics.median(later):.1f}x the median"
     )
-    return summary(
+    result = summary(
         "marin-rl",
         [r["batches/addition/reward_mean"] for r in records],  # the batch the step trained on
         [r["time/step_s"] for r in records],
@@ -152,6 +152,7 @@ def run_marin(args, checkpoint: str | None) -> dict:
         None if peak is None else peak / 2**30,
         args,
     )
+    return {**result, "run_dir": str(run_dir)}  # bench_async.py reads the run's metrics and rollouts
 
 
 # ----------------------------------------------------------------------------------------------- TRL

@@ -2,6 +2,7 @@
 
 from marin_rl.broadcaster._broadcaster import Broadcaster, BroadcasterConfig
 from marin_rl.broadcaster._transport import (
+    BytesExports,
     CheckpointExports,
     ColocatedTransport,
     Export,
@@ -15,6 +16,7 @@ from marin_rl.broadcaster._transport import (
 __all__ = [
     "Broadcaster",
     "BroadcasterConfig",
+    "BytesExports",
     "CheckpointExports",
     "ColocatedTransport",
     "Export",

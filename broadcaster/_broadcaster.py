@@ -7,7 +7,15 @@ import os
 import time
 from dataclasses import dataclass
 
-from marin_rl.broadcaster._transport import ColocatedTransport, ReconnectingTransport, RemoteTransport, WeightTransport
+from marin_rl.broadcaster._transport import (
+    TRANSFERS,
+    BytesExports,
+    CheckpointExports,
+    ColocatedTransport,
+    ReconnectingTransport,
+    RemoteTransport,
+    WeightTransport,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,21 +30,29 @@ class BroadcasterConfig:
     """Base URLs (`http://host:port/v1`) of `marin-rl serve` processes to update over HTTP."""
     weight_update_token: str | None = None
     """Bearer token of the remote servers' weight-update endpoint; None reads MARIN_RL_WEIGHT_TOKEN."""
+    remote_transfer: str = "upload"
+    """How remote servers get weights: `upload`, as safetensors bytes in the body of their
+    POST /v1/weights/upload (made once per version, no file); `checkpoint`, as an HF checkpoint in
+    `export_dir` that they read (shared storage) when POST /v1/weights/update names it."""
     export_dir: str | None = None
-    """Where HF checkpoints for remote servers are written (a path they can read); None: RUN_DIR/hf."""
+    """With `remote_transfer: checkpoint`: where the HF checkpoints are written (a path the remote
+    servers can read); None: RUN_DIR/hf."""
     confirm_timeout_s: float = 600.0
     """How long a remote server may take to load and confirm a version; one that does not is marked down
     (not sampled from) until it is back with the newest weights."""
     reconnect_max_backoff_s: float = 30.0
     """Longest wait between probes of a remote server that is down (they start at 1 s and double)."""
     keep_exports: int = 2
-    """Exported checkpoints kept in `export_dir` (older ones are deleted after a confirmed push)."""
+    """Exported versions kept (older ones are dropped, and their checkpoints deleted, after a confirmed push)."""
     export_dtype: str | None = None
-    """dtype of exported weights ("bfloat16" halves them); None keeps float32."""
+    """dtype of the weights sent to servers in other processes ("bfloat16" halves them; a server that
+    computes in bfloat16 serves the same bits); None keeps float32."""
 
     def __post_init__(self):
         if self.every_k_steps < 1:
             raise ValueError(f"BroadcasterConfig.every_k_steps must be >= 1, got {self.every_k_steps}")
+        if self.remote_transfer not in TRANSFERS:
+            raise ValueError(f"broadcaster.remote_transfer must be one of {TRANSFERS}, got {self.remote_transfer!r}")
 
     def build(self, *, colocated=(), tokenizer=None, run_dir: str | None = None, extra=()) -> Broadcaster:
         """Transports for the in-process `PolicyServer`s (`colocated`: one, or a sequence), each remote
@@ -44,18 +60,20 @@ class BroadcasterConfig:
         servers = colocated if isinstance(colocated, (list, tuple)) else [] if colocated is None else [colocated]
         transports: list[WeightTransport] = [ColocatedTransport(server) for server in servers]
         if self.remote_servers:
-            export_dir = self.export_dir or (os.path.join(run_dir, "hf") if run_dir else None)
-            if export_dir is None or tokenizer is None:
-                raise ValueError("BroadcasterConfig: remote_servers need export_dir (or a run_dir) and the tokenizer")
+            if self.remote_transfer == "upload":  # one set of bytes per version for all of them
+                exports = BytesExports(self.export_dtype, keep=self.keep_exports)
+            else:
+                export_dir = self.export_dir or (os.path.join(run_dir, "hf") if run_dir else None)
+                if export_dir is None or tokenizer is None:
+                    raise ValueError("BroadcasterConfig: remote_transfer 'checkpoint' needs export_dir (or a run_dir) and the tokenizer")
+                exports = CheckpointExports(export_dir, tokenizer, export_dtype=self.export_dtype, keep=self.keep_exports)
             transports += [
                 RemoteTransport(
                     url,
                     self.weight_update_token,
-                    export_dir,
-                    tokenizer=tokenizer,
+                    transfer=self.remote_transfer,
+                    exports=exports,
                     timeout_s=self.confirm_timeout_s,
-                    keep_exports=self.keep_exports,
-                    export_dtype=self.export_dtype,
                     max_backoff_s=self.reconnect_max_backoff_s,
                     server_id=f"remote{i}",
                 )

@@ -2,9 +2,9 @@
 
 - `ColocatedTransport`: the server lives in the learner's process; weights are swapped in place.
 - `RemoteTransport`: a `marin-rl serve` process (or any server with the same endpoint) elsewhere; the
-  weights go through an HF safetensors checkpoint on a shared filesystem plus a call to its
-  token-protected POST /v1/weights/update (docs/serving.md). With LoRA, each version is the adapters
-  alone (megabytes); the base goes once, when a server is synced.
+  weights go as the body of its token-protected POST /v1/weights/upload (safetensors bytes, no file),
+  or through an HF checkpoint on a shared filesystem and POST /v1/weights/update (docs/serving.md).
+  With LoRA, each version is the adapters alone (megabytes); the base goes once, when a server is synced.
 - `ReconnectingTransport`: what every server in another process shares (a Ray server actor too):
   confirmation of each version, and a watcher that brings a server back after it died.
 """
@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -280,12 +280,13 @@ class ReconnectingTransport(WeightTransport):
 
 
 class RemoteTransport(ReconnectingTransport):
-    """Export an HF checkpoint (once per version) and ask a remote server to load it over HTTP.
+    """Send each version to a remote server over HTTP, once exported.
 
-    `export_dir` must be readable by the server at the same path. Checkpoints are written to
-    `export_dir/policy-{version:08d}/` (temp dir, then rename) with the learner's `save_hf_model`, so
-    transports that share `export_dir` write each version once; all but the newest `keep_exports` are
-    deleted after each push. `export_dtype` (e.g. "bfloat16") halves the files; None keeps fp32.
+    `transfer="upload"`: the weights are the body of POST /v1/weights/upload, as safetensors bytes
+    (`BytesExports`, made once per version and shared by the transports given the same `exports`): no
+    file, no shared storage. `transfer="checkpoint"`: an HF checkpoint in `export_dir`, which the server
+    must read at the same path (`CheckpointExports`), named in POST /v1/weights/update. `export_dtype`
+    (e.g. "bfloat16") halves either; None keeps fp32. The newest `keep_exports` versions are kept.
     Deaths and restarts of the server are handled as `ReconnectingTransport` says.
     """
 
@@ -293,9 +294,11 @@ class RemoteTransport(ReconnectingTransport):
         self,
         base_url: str,
         token: str | None,
-        export_dir: str,
+        export_dir: str | None = None,
         *,
-        tokenizer,
+        tokenizer=None,
+        transfer: str = "upload",
+        exports=None,
         timeout_s: float = 600.0,
         keep_exports: int = 2,
         export_dtype: str | None = None,
@@ -309,8 +312,16 @@ class RemoteTransport(ReconnectingTransport):
         self._token = token or os.environ.get(WEIGHT_TOKEN_ENV)
         if not self._token:
             raise ValueError(f"RemoteTransport({base_url}): no token given and {WEIGHT_TOKEN_ENV} is not set")
-        self._exports = CheckpointExports(export_dir, tokenizer, export_dtype=export_dtype, keep=keep_exports)
-        self.export_dir = self._exports.directory
+        if transfer not in TRANSFERS:
+            raise ValueError(f"RemoteTransport({base_url}): transfer must be one of {TRANSFERS}, got {transfer!r}")
+        self.transfer = transfer
+        if exports is None and transfer == "upload":
+            exports = BytesExports(export_dtype, keep=keep_exports)
+        elif exports is None:
+            if export_dir is None:
+                raise ValueError(f"RemoteTransport({base_url}): transfer 'checkpoint' needs export_dir")
+            exports = CheckpointExports(export_dir, tokenizer, export_dtype=export_dtype, keep=keep_exports)
+        self._exports = exports
 
     def export_path(self, policy_version: int) -> str:
         return self._exports.path(policy_version)
@@ -322,28 +333,29 @@ class RemoteTransport(ReconnectingTransport):
         self._exports.prune(policy_version)
 
     def _request_update(self, payload: Export, policy_version: int, *, reset: bool, with_base: bool) -> None:
-        body = {"policy_version": policy_version, "reset": reset}
-        if payload.adapters is not None:
-            body["adapters"] = payload.adapters
-        if payload.adapters is None or with_base:
-            body["path"] = payload.weights
+        weights = payload.weights if payload.adapters is None or with_base else None
+        headers = {"Authorization": f"Bearer {self._token}"}
+        if self.transfer == "upload":  # the body: the weights' bytes, then the adapters'
+            sent = weights or b""
+            params = {"policy_version": policy_version, "reset": reset, "weights_bytes": len(sent)}
+            headers["Content-Type"] = "application/octet-stream"
+            request = dict(url=f"{self.base_url}/weights/upload", params=params, content=sent + (payload.adapters or b""))
+        else:
+            body = {"policy_version": policy_version, "reset": reset}
+            body |= {"adapters": payload.adapters} if payload.adapters is not None else {}
+            body |= {"path": weights} if weights is not None else {}
+            request = dict(url=f"{self.base_url}/weights/update", json=body)
         try:
-            response = httpx.post(
-                f"{self.base_url}/weights/update",
-                json=body,
-                headers={"Authorization": f"Bearer {self._token}"},
-                timeout=self._timeout_s,
-            )
+            response = httpx.post(**request, headers=headers, timeout=self._timeout_s)
         except httpx.TimeoutException:
             return  # the server may still be loading: the caller polls the version
         except httpx.TransportError as e:
             raise Unreachable(f"{type(e).__name__}: {e}") from e
-        if response.status_code == 409 and "path" not in body and _error_field(response, "param") == "path":
+        if response.status_code == 409 and weights is None and _error_field(response, "param") in ("path", "weights_bytes"):
             raise BaseMissing(_error_message(response))
         if response.status_code != 200:
             raise WeightUpdateRefused(
-                f"{self.base_url} refused policy version {policy_version} from {payload} "
-                f"({response.status_code}): {_error_message(response)}"
+                f"{self.base_url} refused policy version {policy_version} ({response.status_code}): {_error_message(response)}"
             )
 
     def _probe(self) -> tuple[int, str | None]:
@@ -358,6 +370,46 @@ class RemoteTransport(ReconnectingTransport):
 
 ADAPTERS_FILE = "adapters.safetensors"
 """A LoRA version's file in its export directory."""
+
+
+TRANSFERS = ("upload", "checkpoint")
+"""How `RemoteTransport` sends weights: in the request's body, or as a checkpoint on shared storage."""
+
+
+class BytesExports:
+    """Each version's weights made once into safetensors bytes (`marin_rl.weight_bytes`) and handed to
+    `put` (Ray's `ray.put`: the object store; by default kept as bytes). With LoRA a version is its
+    adapters alone, and the base is made once. The newest `keep` versions are kept."""
+
+    def __init__(self, dtype: str | None = None, keep: int = 2, put: Callable[[bytes], Any] = lambda data: data):
+        self._dtype = dtype
+        self._keep = keep
+        self._put = put
+        self._exports: dict[int, Export] = {}
+        self._base = None
+        self._lock = threading.Lock()  # transports that share these exports push from their own threads
+
+    def export(self, model, policy_version: int) -> Export:
+        from marin_rl.adapters import adapters_to_bytes, has_adapters, without_adapters
+        from marin_rl.weight_bytes import weights_to_bytes
+
+        with self._lock:
+            if policy_version not in self._exports:
+                start = time.perf_counter()
+                if has_adapters(model):
+                    if self._base is None:
+                        self._base = self._put(weights_to_bytes(without_adapters(model), self._dtype))
+                    self._exports[policy_version] = Export(self._base, self._put(adapters_to_bytes(model)))
+                else:
+                    self._exports[policy_version] = Export(self._put(weights_to_bytes(model, self._dtype)))
+                logger.info("made policy version %d into bytes in %.2fs", policy_version, time.perf_counter() - start)
+            return self._exports[policy_version]
+
+    def prune(self, policy_version: int) -> None:
+        with self._lock:
+            for version in sorted(self._exports)[: -self._keep]:
+                if version <= policy_version:
+                    del self._exports[version]  # with Ray, the object is freed once no reference is left
 
 
 class CheckpointExports:

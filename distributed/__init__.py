@@ -13,8 +13,6 @@ _LAZY = {
     "RayServerTransport": "_transport",
     "rollouts_from_bytes": "_wire",
     "rollouts_to_bytes": "_wire",
-    "weights_from_bytes": "_wire",
-    "weights_to_bytes": "_wire",
 }
 
 __all__ = [*_LAZY]

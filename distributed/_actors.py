@@ -91,20 +91,17 @@ class ServerActor:
         return policy_version
 
     def _model(self, payload):
-        if isinstance(payload, str):  # an HF checkpoint on shared storage
-            from marin_rl.server import load_checkpoint
-
-            return load_checkpoint(payload, tokenizer=self._tokenizer)
+        """A version's weights: safetensors bytes, or an HF checkpoint on shared storage."""
         import equinox as eqx
         import haliax as hax
         import jax
 
-        from marin_rl.distributed._wire import weights_from_bytes
+        from marin_rl.server import load_update
 
         if self._template is None:
             vocab = hax.Axis("vocab", self._vocab_size)
             self._template = eqx.filter_eval_shape(lambda: self._model_config.build(vocab, key=jax.random.key(0)))
-        return weights_from_bytes(payload, self._template)
+        return load_update(payload, tokenizer=self._tokenizer, template=self._template)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from marin_rl.broadcaster import CheckpointExports
+from marin_rl.broadcaster import BytesExports, CheckpointExports
 from marin_rl.distributed._actors import EnvWorkerActor, ServerActor
-from marin_rl.distributed._transport import ObjectStoreExports, RayServerTransport
+from marin_rl.distributed._transport import RayServerTransport
 from marin_rl.distributed._wire import rollouts_from_bytes
 from marin_rl.errors import PermanentError
 
@@ -59,7 +59,7 @@ class RayRuntime:
         urls = ray.get([actor.base_url.remote() for actor in self.servers])
         broadcast = config.broadcaster
         if settings.weight_transfer == "object_store":
-            exports = ObjectStoreExports(broadcast.export_dtype, keep=broadcast.keep_exports)
+            exports = BytesExports(broadcast.export_dtype, keep=broadcast.keep_exports, put=ray.put)
         else:
             directory = broadcast.export_dir or str(run_dir / "hf")
             exports = CheckpointExports(directory, tokenizer, export_dtype=broadcast.export_dtype, keep=broadcast.keep_exports)

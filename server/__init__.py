@@ -9,7 +9,7 @@ serve`). Importing it is cheap: the engine (JAX, Levanter) loads when a server i
 
 from marin_rl.server._config import WEIGHT_TOKEN_ENV, InferenceServerConfig, ServeConfig
 from marin_rl.server._policy_server import PolicyServer, WeightSwap, bind_socket
-from marin_rl.server._process import load_checkpoint, serve_main
+from marin_rl.server._process import load_checkpoint, load_update, serve_main
 from marin_rl.server._protocol import ApiError
 from marin_rl.server._updates import UpdateLoader
 
@@ -23,5 +23,6 @@ __all__ = [
     "WeightSwap",
     "bind_socket",
     "load_checkpoint",
+    "load_update",
     "serve_main",
 ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pydantic_core
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,12 +50,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WeightUpdates:
-    """What POST /v1/weights/update needs: the token, a checkpoint loader and the swap."""
+    """What POST /v1/weights/update and /v1/weights/upload need: the token, a loader and the swap."""
 
     token: str
-    load: Callable[[str | None, str | None], Any]
-    """(checkpoint directory, adapters file) -> model (blocking; run in a thread): an `UpdateLoader` that
-    reads the adapters file."""
+    load: Callable[[Any, Any], Any]
+    """(weights: a checkpoint directory or safetensors bytes; adapters: a file's path or bytes; either may be
+    None) -> model (blocking; run in a thread): an `UpdateLoader`."""
     swap: Callable[[Any, int], Any]
     """(model, policy_version) -> swap timing (blocking; run in a thread)."""
 
@@ -134,7 +134,7 @@ def build_app(
     vocab_size: int,
     weight_updates: WeightUpdates | None = None,
 ) -> FastAPI:
-    """The FastAPI app; /v1/weights/update is mounted only when `weight_updates` is given."""
+    """The FastAPI app; /v1/weights/update and /v1/weights/upload are mounted only when `weight_updates` is given."""
     # FastAPI answers 413 to a body over the limit before reading it (Content-Length), or as soon as
     # the bytes read pass it (chunked).
     app = FastAPI(title="marin-rl inference server", max_body_size=config.max_request_bytes)
@@ -353,41 +353,69 @@ async def _completion_chunks(handler: RequestHandler, request: CompletionRequest
 def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, instance: str) -> None:
     lock = asyncio.Lock()
 
-    @app.post("/v1/weights/update", response_model=WeightVersionResponse)
-    async def update_weights(body: WeightUpdateRequest, authorization: str | None = Header(default=None)):
+    def check_token(authorization: str | None) -> None:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise ApiError(401, "missing bearer token: send `Authorization: Bearer <weight_update_token>`")
         if not secrets.compare_digest(token.encode(), updates.token.encode()):
             raise ApiError(403, "wrong weight-update token")
+
+    async def apply(weights, adapters, policy_version: int, reset: bool, source: str, param: str, base_param: str) -> WeightVersionResponse:
+        """Load `weights` and/or `adapters` (paths, or bytes) and serve them as `policy_version`;
+        `param` names the request's field at fault, `base_param` the one that brings a base."""
         async with lock:  # one update at a time, in order
-            if body.policy_version < engine.policy_version and not body.reset:
+            if policy_version < engine.policy_version and not reset:
                 raise ApiError(
                     409,
-                    f"policy_version {body.policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
+                    f"policy_version {policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
                     param="policy_version",
                 )
-            if body.path is None and body.adapters is None:
-                raise bad_request("send `path` (a checkpoint directory), `adapters` (a LoRA adapters file), or both", param="path")
-            if body.path is not None and not os.path.isdir(body.path):
-                raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
-            if body.adapters is not None and not os.path.isfile(body.adapters):
-                raise bad_request(f"adapters file {body.adapters!r} does not exist on the server", param="adapters")
-            source = " + ".join(p for p in (body.path, body.adapters) if p is not None)
             start = time.perf_counter()
             try:
-                model = await asyncio.to_thread(updates.load, body.path, body.adapters)
+                model = await asyncio.to_thread(updates.load, weights, adapters)
             except BaseMissing as e:
-                raise ApiError(409, str(e), param="path") from e
+                raise ApiError(409, str(e), param=base_param) from e
             except Exception as e:
-                raise bad_request(f"could not load {source!r}: {type(e).__name__}: {e}", param="adapters" if body.adapters else "path") from e
+                raise bad_request(f"could not load {source}: {type(e).__name__}: {e}", param=param) from e
             load_seconds = time.perf_counter() - start
             try:
-                swap = await asyncio.to_thread(updates.swap, model, body.policy_version)
+                swap = await asyncio.to_thread(updates.swap, model, policy_version)
             except ValueError as e:
-                raise bad_request(f"{source!r} cannot replace the served model: {e}", param="path") from e
-        logger.info("serving policy version %d from %s (load %.2fs)", body.policy_version, source, load_seconds)
+                raise bad_request(f"{source} cannot replace the served model: {e}", param=param) from e
+        logger.info("serving policy version %d from %s (load %.2fs)", policy_version, source, load_seconds)
         return WeightVersionResponse(
             policy_version=engine.policy_version, instance=instance, load_seconds=load_seconds, swap_seconds=swap.total_seconds
         )
+
+    @app.post("/v1/weights/update", response_model=WeightVersionResponse)
+    async def update_weights(body: WeightUpdateRequest, authorization: str | None = Header(default=None)):
+        check_token(authorization)
+        if body.path is None and body.adapters is None:
+            raise bad_request("send `path` (a checkpoint directory), `adapters` (a LoRA adapters file), or both", param="path")
+        if body.path is not None and not os.path.isdir(body.path):
+            raise bad_request(f"checkpoint directory {body.path!r} does not exist on the server", param="path")
+        if body.adapters is not None and not os.path.isfile(body.adapters):
+            raise bad_request(f"adapters file {body.adapters!r} does not exist on the server", param="adapters")
+        source = " + ".join(repr(p) for p in (body.path, body.adapters) if p is not None)
+        param = "adapters" if body.adapters else "path"
+        return await apply(body.path, body.adapters, body.policy_version, body.reset, source, param, "path")
+
+    @app.post("/v1/weights/upload", response_model=WeightVersionResponse)
+    async def upload_weights(
+        request: Request,
+        policy_version: int = Query(ge=0),
+        reset: bool = False,
+        weights_bytes: int | None = Query(default=None, ge=0),
+        authorization: str | None = Header(default=None),
+    ):
+        check_token(authorization)  # before the body is read
+        data = await request.body()
+        split = len(data) if weights_bytes is None else weights_bytes
+        if split > len(data):
+            raise bad_request(f"weights_bytes={split} is more than the body's {len(data)} bytes", param="weights_bytes")
+        weights, adapters = data[:split] or None, data[split:] or None
+        if weights is None and adapters is None:
+            raise bad_request("the body is empty: send the weights (safetensors bytes), then the adapters' bytes", param="weights_bytes")
+        source = " + ".join(f"{len(part)} bytes of {name}" for name, part in (("weights", weights), ("adapters", adapters)) if part)
+        return await apply(weights, adapters, policy_version, reset, source, "weights_bytes", "weights_bytes")
 

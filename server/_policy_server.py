@@ -104,7 +104,7 @@ class PolicyServer:
         if weight_loader is not None:
             token = config.resolved_weight_token()
             if token is None:
-                logger.warning("no weight_update_token and no MARIN_RL_WEIGHT_TOKEN: /v1/weights/update is disabled")
+                logger.warning("no weight_update_token and no MARIN_RL_WEIGHT_TOKEN: /v1/weights/update and /upload are disabled")
             else:
                 updates = WeightUpdates(token=token, load=UpdateLoader(weight_loader, config.compute_dtype), swap=self.swap_weights)
         self.app = build_app(config, tokenizer, self.engine, model.Vocab.size, updates)

@@ -2,7 +2,8 @@
 
     python -m marin_rl.server --checkpoint DIR [--server.port 8000] ...
 
-POST /v1/weights/update (bearer token) loads a new checkpoint and swaps it in; see docs/serving.md.
+POST /v1/weights/update (bearer token) loads a new checkpoint and swaps it in, POST /v1/weights/upload
+takes the weights as the request's body; see docs/serving.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def serve_main(config: ServeConfig) -> None:
     set_default_xla_flags()
     transformers_without_torch()
     # Heavy imports after the config is parsed.
+    import equinox as eqx
     import jax
 
     from marin_rl.interpreter import tune_interpreter
@@ -35,8 +37,8 @@ def serve_main(config: ServeConfig) -> None:
     _check_checkpoint_dir(config.checkpoint)
     sock = bind_socket(config.server)  # a port in use is named now, not after the model loaded
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
-    load = functools.partial(load_checkpoint, tokenizer=tokenizer)
-    model = load(config.checkpoint)
+    model = load_checkpoint(config.checkpoint, tokenizer=tokenizer)
+    load = functools.partial(load_update, tokenizer=tokenizer, template=eqx.filter_eval_shape(lambda m: m, model))
     server = PolicyServer(config.server, model, tokenizer, config.policy_version, weight_loader=load)
     del model  # the server holds its own copy
 
@@ -52,6 +54,16 @@ def serve_main(config: ServeConfig) -> None:
         stop.wait()
     finally:
         server.shutdown()
+
+
+def load_update(weights: str | bytes, *, tokenizer, template):
+    """The weights of an update: an HF checkpoint directory, or safetensors bytes (HF names) shaped like
+    `template` (the served model, or its `eqx.filter_eval_shape`)."""
+    if isinstance(weights, str):
+        return load_checkpoint(weights, tokenizer=tokenizer)
+    from marin_rl.weight_bytes import weights_from_bytes
+
+    return weights_from_bytes(weights, template)
 
 
 def load_checkpoint(path: str, *, tokenizer):

@@ -48,15 +48,20 @@ def test_a_failed_push_is_an_error_not_a_silent_skip():
 def test_config_builds_colocated_and_remote_transports(tmp_path, monkeypatch):
     monkeypatch.setenv("MARIN_RL_WEIGHT_TOKEN", "from-env")
     server = object()
-    config = BroadcasterConfig(every_k_steps=3, remote_servers=("http://10.0.0.2:8000/v1/",))
-    broadcaster = config.build(colocated=server, tokenizer="tok", run_dir=str(tmp_path))
-    colocated, remote = broadcaster.transports
+    urls = ("http://10.0.0.2:8000/v1/", "http://10.0.0.3:8000/v1")
+    broadcaster = BroadcasterConfig(every_k_steps=3, remote_servers=urls).build(colocated=server, tokenizer="tok", run_dir=None)
+    colocated, first, second = broadcaster.transports
     assert isinstance(colocated, ColocatedTransport) and colocated.server is server
-    assert isinstance(remote, RemoteTransport) and remote.base_url == "http://10.0.0.2:8000/v1"
-    assert remote.export_path(7) == str(tmp_path / "hf" / "policy-00000007")
+    assert isinstance(first, RemoteTransport) and first.base_url == "http://10.0.0.2:8000/v1" and first.transfer == "upload"
+    assert first._exports is second._exports  # each version is made into bytes once for all servers
     assert broadcaster.every_k_steps == 3
+    config = BroadcasterConfig(remote_servers=urls[:1], remote_transfer="checkpoint")
+    (remote,) = config.build(colocated=None, tokenizer="tok", run_dir=str(tmp_path)).transports
+    assert remote.transfer == "checkpoint" and remote.export_path(7) == str(tmp_path / "hf" / "policy-00000007")
     with pytest.raises(ValueError, match="export_dir"):
         config.build(colocated=None, tokenizer="tok", run_dir=None)
+    with pytest.raises(ValueError, match="remote_transfer"):
+        BroadcasterConfig(remote_transfer="nfs")
 
 
 def test_remote_transport_needs_a_token(monkeypatch, tmp_path):

@@ -48,7 +48,7 @@ def greedy(base_url: str) -> tuple[list[int], int]:
 def test_remote_server_serves_the_broadcast_weights_and_refuses_pushes_without_the_token(serve_process, tmp_path):
     tokenizer = load_tokenizer("char")
     model_b = tiny_llama(1)
-    remote = RemoteTransport(serve_process, TOKEN, str(tmp_path / "hf"), tokenizer=tokenizer, timeout_s=300)
+    remote = RemoteTransport(serve_process, TOKEN, timeout_s=300)  # the weights in the request's body
     with PolicyServer(InferenceServerConfig(**SERVER), tiny_llama(0), tokenizer) as local:
         assert greedy(serve_process) == greedy(local.base_url)  # both start from model 0
         metrics = Broadcaster([ColocatedTransport(local), remote]).maybe_broadcast(model_b, 1)
@@ -57,10 +57,10 @@ def test_remote_server_serves_the_broadcast_weights_and_refuses_pushes_without_t
         assert served_b[1] == 1 and greedy(serve_process) == served_b
 
     # Refused pushes: no token (401), wrong token (403); the remote keeps serving version 1.
-    missing = httpx.post(f"{serve_process}/weights/update", json={"path": remote.export_path(1), "policy_version": 2})
+    missing = httpx.post(f"{serve_process}/weights/upload", params={"policy_version": 2}, content=b"weights")
     assert missing.status_code == 401
     with pytest.raises(WeightUpdateRefused, match="403"):
-        RemoteTransport(serve_process, "wrong", str(tmp_path / "hf"), tokenizer=tokenizer).push(tiny_llama(0), 2)
+        RemoteTransport(serve_process, "wrong").push(tiny_llama(0), 2)
     assert greedy(serve_process) == served_b
 
 
@@ -77,7 +77,7 @@ def test_a_lora_run_sends_the_base_once_then_adapters_alone(serve_process, tmp_p
         return response
 
     monkeypatch.setattr(httpx, "post", recorded)
-    remote = RemoteTransport(serve_process, TOKEN, str(tmp_path / "hf"), tokenizer=tokenizer, timeout_s=300)
+    remote = RemoteTransport(serve_process, TOKEN, str(tmp_path / "hf"), transfer="checkpoint", tokenizer=tokenizer, timeout_s=300)
     base = tiny_llama(0)
     served = []
     with PolicyServer(InferenceServerConfig(**SERVER), base, tokenizer) as local:

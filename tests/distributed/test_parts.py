@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from marin_rl.distributed import rollouts_from_bytes, rollouts_to_bytes, weights_from_bytes, weights_to_bytes
+from marin_rl.distributed import rollouts_from_bytes, rollouts_to_bytes
+from marin_rl.weight_bytes import weights_from_bytes, weights_to_bytes
 from marin_rl.envs import Completion, Sampler, SamplingParams
 from marin_rl.learner import ModelConfig, build_model
 from marin_rl.workers._endpoints import Endpoint, GatedSampler, LeastLoadedSampler

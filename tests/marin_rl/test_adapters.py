@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from marin_rl.adapters import adapter_settings, adapters_to_bytes, has_adapters, merged, with_adapters_from_bytes, without_adapters
-from marin_rl.distributed import weights_to_bytes
+from marin_rl.weight_bytes import weights_to_bytes
 from marin_rl.engine import serving_weights
 from marin_rl.errors import BaseMissing
 from marin_rl.learner import LoraConfig, ModelConfig, build_model

@@ -416,6 +416,37 @@ def test_weight_update_refuses_stale_versions_missing_dirs_and_unloadable_checkp
     assert rolled_back.status_code == 200 and worker.policy_version == 0
 
 
+def test_weight_upload_needs_the_token_and_splits_its_body_into_weights_and_adapters(tmp_path):
+    loaded = []
+
+    def load(weights, adapters):
+        loaded.append((weights, adapters))
+        if weights is None:
+            raise BaseMissing("no base weights")
+        return f"weights@{len(weights)}"
+
+    worker = SwappableWorker()
+    http = weight_update_app(worker, tmp_path, load=load)
+    auth = {"Authorization": "Bearer s3cret"}
+
+    def upload(body: bytes, headers=auth, **params):
+        return http.post("/v1/weights/upload", params={"policy_version": 2, **params}, content=body, headers=headers)
+
+    assert (upload(b"w" * 10, headers={}).status_code, upload(b"w" * 10, headers={"Authorization": "Bearer no"}).status_code) == (401, 403)
+    assert upload(b"w" * 10, policy_version=0).status_code == 409  # older than the served version 1
+    too_long = upload(b"w" * 10, weights_bytes=11)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "weights_bytes"
+    assert upload(b"").status_code == 400
+    baseless = upload(b"adapters", weights_bytes=0)
+    assert baseless.status_code == 409 and baseless.json()["error"]["param"] == "weights_bytes"
+    assert loaded == [(None, b"adapters")] and (worker.model, worker.policy_version) == ("weights-v1", 1)
+    ok = upload(b"w" * 10 + b"adapters", weights_bytes=10)
+    assert ok.status_code == 200 and ok.json()["policy_version"] == 2
+    assert loaded[-1] == (b"w" * 10, b"adapters") and (worker.model, worker.policy_version) == ("weights@10", 2)
+    whole = upload(b"w" * 12, policy_version=3)  # no weights_bytes: the whole body is the weights
+    assert whole.status_code == 200 and loaded[-1] == (b"w" * 12, None) and worker.policy_version == 3
+
+
 # ------------------------------------------------------------------------------------------ streaming
 # `stream: true`: the deltas of each choice add up to exactly the answer without streaming (text, token
 # ids, log-probs, finish and stop reasons), and text that a stop string may still cut is never sent.
