@@ -21,6 +21,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from bench_generate import SIZES, build
 
@@ -60,6 +61,8 @@ def upload(model, args) -> list[float]:
 
     def recorded(url, **kwargs):
         response = post(url, **kwargs)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {response.text[:2000]}\nserver log:\n{log_tail(work)}")
         answers.append(response.json())
         return response
 
@@ -85,9 +88,15 @@ def upload(model, args) -> list[float]:
     print(
         f"upload: {size:,.0f} MiB of {args.export_dtype or 'float32'} per push; median of pushes 2..: bytes made "
         f"{statistics.median(made[1:]):.3f} s, request {statistics.median(seconds[1:]) - statistics.median(made[1:]):.3f} s "
-        f"(server load {statistics.median(loads):.3f} s, swap {statistics.median(swaps):.3f} s)"
+        f"(server load {statistics.median(loads):.3f} s, swap {statistics.median(swaps):.3f} s)",
+        flush=True,
     )
     return seconds
+
+
+def log_tail(work: str) -> str:
+    logs = sorted(Path(work).glob("serve-*.log"))
+    return logs[-1].read_text()[-4000:] if logs else "(none)"
 
 
 def main() -> None:
@@ -111,7 +120,8 @@ def main() -> None:
             seconds = in_process(model, args, jax.devices()[args.engine_device] if target == "device" else None)
         print(
             f"{jax.devices()[0].device_kind}: {args.size} ({params / 1e9:.2f}B params) push to {target}, serving {args.dtype}: "
-            f"first {seconds[0]:.3f} s, then median {statistics.median(seconds[1:]):.3f} s"
+            f"first {seconds[0]:.3f} s, then median {statistics.median(seconds[1:]):.3f} s",
+            flush=True,
         )
 
 

@@ -350,6 +350,10 @@ async def _completion_chunks(handler: RequestHandler, request: CompletionRequest
         yield _usage_chunk(head, prompts, completion_tokens)
 
 
+MAX_UPLOAD_BYTES = 2**40
+"""Largest body of POST /v1/weights/upload (a terabyte: any model's weights)."""
+
+
 def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, instance: str) -> None:
     lock = asyncio.Lock()
 
@@ -400,7 +404,8 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, i
         param = "adapters" if body.adapters else "path"
         return await apply(body.path, body.adapters, body.policy_version, body.reset, source, param, "path")
 
-    @app.post("/v1/weights/upload", response_model=WeightVersionResponse)
+    # Weights are gigabytes, past the API's max_request_bytes; only a holder of the token gets them read.
+    @app.post("/v1/weights/upload", response_model=WeightVersionResponse, max_body_size=MAX_UPLOAD_BYTES)
     async def upload_weights(
         request: Request,
         policy_version: int = Query(ge=0),

@@ -65,9 +65,10 @@ def test_gradient_accumulation_equals_single_batch_gradient(tiny_model_config, p
     for name in whole_metrics:
         np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=1e-5, atol=1e-7, err_msg=name)
     leaves, whole_leaves = jax.tree.leaves(grads), jax.tree.leaves(whole_grads)
-    # float32 sums in another order: differences ~1e-7 on gradients ~1e-3; a wrong normaliser would be ~1e-3.
+    # float32 sums in another order: differences up to ~1e-6 (seen once under load) on gradients ~1e-3, so
+    # 1e-3 of each leaf's largest gradient; a wrong normaliser would be off by a share of every gradient.
     for g, w in zip(leaves, whole_leaves, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3 * float(jnp.abs(w).max()))
     assert max(float(jnp.abs(w).max()) for w in whole_leaves) > 1e-3
 
 

@@ -445,6 +445,9 @@ def test_weight_upload_needs_the_token_and_splits_its_body_into_weights_and_adap
     assert loaded[-1] == (b"w" * 10, b"adapters") and (worker.model, worker.policy_version) == ("weights@10", 2)
     whole = upload(b"w" * 12, policy_version=3)  # no weights_bytes: the whole body is the weights
     assert whole.status_code == 200 and loaded[-1] == (b"w" * 12, None) and worker.policy_version == 3
+    large = b"w" * (CONFIG.max_request_bytes + 1)  # weights are larger than any API request may be
+    assert upload(large, policy_version=4).status_code == 200 and loaded[-1] == (large, None)
+    assert http.post("/v1/completions", content=large).status_code == 413  # the API's limit holds elsewhere
 
 
 # ------------------------------------------------------------------------------------------ streaming
