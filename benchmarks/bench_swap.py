@@ -44,7 +44,7 @@ def in_process(model, args, device) -> list[float]:
 def upload(model, args) -> list[float]:
     import httpx
 
-    from marin_rl.broadcaster import RemoteTransport
+    from marin_rl.broadcaster import BytesExports, RemoteTransport
     from marin_rl.learner import save_hf_model
     from marin_rl.testing import start_serve_process
     from marin_rl.tokenizer import load_tokenizer
@@ -68,11 +68,12 @@ def upload(model, args) -> list[float]:
 
     httpx.post = recorded
     try:
-        remote = RemoteTransport(base_url, TOKEN, export_dtype=args.export_dtype, timeout_s=900)
+        exports = BytesExports(args.export_dtype)  # what the broadcaster makes once per version
+        remote = RemoteTransport(base_url, TOKEN, exports=exports, timeout_s=900)
         seconds, made = [], []
         for version in range(1, args.swaps + 1):
             start = time.perf_counter()
-            payload = remote._export(model, version)
+            payload = exports.export(model, version)
             made.append(time.perf_counter() - start)
             remote.push(model, version)
             seconds.append(time.perf_counter() - start)
