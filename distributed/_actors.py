@@ -19,7 +19,7 @@ import uuid
 from dataclasses import replace
 
 from marin_rl._upstream import transformers_without_torch
-from marin_rl.compiles import set_default_xla_flags
+from marin_rl.compiles import enable_compilation_cache, set_default_xla_flags
 from marin_rl.types import Rollout
 
 NOT_SERVING = -1
@@ -32,12 +32,17 @@ def _cpu_only() -> None:
 
 
 class ServerActor:
-    def __init__(self, server_config, model_config, vocab_size: int, tokenizer: str, *, port: int, gpu: bool):
-        """`model_config` is the learner's Levanter model config: weights arrive as its parameters."""
+    def __init__(
+        self, server_config, model_config, vocab_size: int, tokenizer: str, *, port: int, gpu: bool, compilation_cache: str = "off"
+    ):
+        """`model_config` is the learner's Levanter model config: weights arrive as its parameters.
+        `compilation_cache`: the run's setting (`auto` resolves on the actor's node): a restarted actor,
+        and every actor after the first on a node, loads the engine's programs instead of compiling them."""
         set_default_xla_flags()  # as `marin-rl train` and `serve` run, before JAX starts here
         transformers_without_torch()
         if not gpu:
             _cpu_only()
+        enable_compilation_cache(compilation_cache)
         self.instance = uuid.uuid4().hex  # a restarted actor is a new instance
         self.config = replace(server_config, port=port)
         self._model_config, self._vocab_size, self._tokenizer_name = model_config, vocab_size, tokenizer

@@ -52,7 +52,13 @@ class RayRuntime:
         resources = dict(num_gpus=settings.server_num_gpus, num_cpus=settings.server_num_cpus, max_restarts=settings.max_restarts)
         self.servers = [
             server.options(name=f"server{i}", namespace=self.namespace, **resources).remote(
-                config.server, model.config, model.Vocab.size, config.tokenizer, port=settings.server_port + i, gpu=gpu
+                config.server,
+                model.config,
+                model.Vocab.size,
+                config.tokenizer,
+                port=settings.server_port + i,
+                gpu=gpu,
+                compilation_cache=config.compilation_cache,
             )
             for i in range(settings.num_servers)
         ]
