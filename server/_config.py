@@ -68,3 +68,7 @@ class ServeConfig:
     """Server settings; set `server.weight_update_token` (or MARIN_RL_WEIGHT_TOKEN) to accept weight updates."""
     ready_file: str | None = None
     """Once serving, write `{"base_url": ..., "pid": ...}` here (atomically), e.g. for a launcher that used port 0."""
+    compilation_cache: str = "auto"
+    """JAX's persistent compilation cache, as a training run's `compilation_cache`: `auto`
+    (`$MARIN_RL_COMPILATION_CACHE`, else `~/.cache/marin-rl/jax`), a directory, or `off`. A restarted
+    server loads its engine's programs instead of compiling them."""

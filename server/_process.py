@@ -16,7 +16,7 @@ import signal
 import threading
 
 from marin_rl._upstream import transformers_without_torch
-from marin_rl.compiles import set_default_xla_flags
+from marin_rl.compiles import enable_compilation_cache, set_default_xla_flags
 from marin_rl.server._config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ def serve_main(config: ServeConfig) -> None:
     from marin_rl.tokenizer import load_tokenizer
 
     _check_checkpoint_dir(config.checkpoint)
+    enable_compilation_cache(config.compilation_cache)
     sock = bind_socket(config.server)  # a port in use is named now, not after the model loaded
     tokenizer = load_tokenizer(config.tokenizer or config.checkpoint)
     model = load_checkpoint(config.checkpoint, tokenizer=tokenizer)
