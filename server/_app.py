@@ -364,16 +364,19 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, i
         if not secrets.compare_digest(token.encode(), updates.token.encode()):
             raise ApiError(403, "wrong weight-update token")
 
+    def check_version(policy_version: int, reset: bool) -> None:
+        if policy_version < engine.policy_version and not reset:
+            raise ApiError(
+                409,
+                f"policy_version {policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
+                param="policy_version",
+            )
+
     async def apply(weights, adapters, policy_version: int, reset: bool, source: str, param: str, base_param: str) -> WeightVersionResponse:
         """Load `weights` and/or `adapters` (paths, or bytes) and serve them as `policy_version`;
         `param` names the request's field at fault, `base_param` the one that brings a base."""
         async with lock:  # one update at a time, in order
-            if policy_version < engine.policy_version and not reset:
-                raise ApiError(
-                    409,
-                    f"policy_version {policy_version} is older than the served {engine.policy_version} (send reset: true to roll back)",
-                    param="policy_version",
-                )
+            check_version(policy_version, reset)
             start = time.perf_counter()
             try:
                 model = await asyncio.to_thread(updates.load, weights, adapters)
@@ -413,7 +416,8 @@ def _mount_weight_update(app: FastAPI, engine: Engine, updates: WeightUpdates, i
         weights_bytes: int | None = Query(default=None, ge=0),
         authorization: str | None = Header(default=None),
     ):
-        check_token(authorization)  # before the body is read
+        check_token(authorization)  # before the body is read, as is a version it would refuse
+        check_version(policy_version, reset)
         data = await request.body()
         split = len(data) if weights_bytes is None else weights_bytes
         if split > len(data):
