@@ -151,6 +151,34 @@ def run_command(args: list[str], cwd: str | os.PathLike | None = None, timeout: 
     return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def metrics_records(run_dir) -> list[dict]:
+    """The run's metrics.jsonl, one dict per logged step (none before the first)."""
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]  # the last line may be half written
+
+
+def train_until(config, reached, poll_s: float = 0.5):
+    """`train(config)`, stopped as a signal stops it once `reached(records)` holds for the steps logged so
+    far (or at `max_steps`): a test of learning within N steps need not run the steps after it learned.
+    Returns (the run's result, its records)."""
+    import threading
+
+    from marin_rl.orchestrator import train
+
+    stop, result = threading.Event(), {}
+    trainer = threading.Thread(target=lambda: result.setdefault("run", train(config, stop=stop)), name="train-until")
+    trainer.start()
+    while trainer.is_alive():
+        trainer.join(poll_s)
+        if not stop.is_set() and reached(metrics_records(config.run_dir)):
+            stop.set()
+    assert "run" in result, "train raised (its traceback is above)"
+    return result["run"], metrics_records(config.run_dir)
+
+
 def compilations_after_first_step(records: list[dict]) -> dict[int, float]:
     """Step -> compilations during it, for the steps after the first that compiled (metrics.jsonl
     records, in order; `compile/count` is the run's total so far)."""

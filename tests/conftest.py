@@ -36,6 +36,15 @@ def pytest_configure(config):
         os.environ["MARIN_RL_COMPILATION_CACHE"] = config._session_compilation_cache
 
 
+@pytest.fixture(autouse=True, scope="session")
+def compilation_cache():
+    """Every test process reads and fills the session's cache, not only the runs `train` starts: tests that
+    build the same tiny models and learners load each other's programs."""
+    from marin_rl.compiles import CACHE_ENV, enable_compilation_cache
+
+    return enable_compilation_cache(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else None
+
+
 def pytest_collection_modifyitems(items):
     """Files holding slow tests first. xdist hands out whole files in collection order, so slow files
     collected last (reliability/, after the quick ones) ran alone on one core while the other idled."""

@@ -12,14 +12,14 @@ from marin_rl.testing import compilations_after_first_step
 pytestmark = pytest.mark.slow
 
 
-def test_multienv_trains_20_steps_reports_every_env_and_no_server_or_worker_error(tmp_path):
+def test_multienv_trains_10_steps_reports_every_env_and_no_server_or_worker_error(tmp_path):
     run_dir = tmp_path / "multi"
     config = load_config(
         "configs/multienv.yaml",
         [
             f"--run_dir={run_dir}",
-            "--max_steps=20",
-            "--eval_every=20",
+            "--max_steps=10",
+            "--eval_every=10",
             "--batcher.total_token_budget=4096",
             "--batcher.max_wait_s=20",
             "--envs.arithmetic.eval.max_problems=4",
@@ -28,11 +28,11 @@ def test_multienv_trains_20_steps_reports_every_env_and_no_server_or_worker_erro
     )
     names = [e.name for e in config.envs]
     assert [e.algorithm.name for e in config.envs] == ["rloo", "grpo", "dr_grpo"]
-    assert train(config).final_step == 20
+    assert train(config).final_step == 10
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     baseline, *steps = records
-    assert baseline["step"] == 0 and [r["step"] for r in steps] == list(range(1, 21))
+    assert baseline["step"] == 0 and [r["step"] for r in steps] == list(range(1, 11))
     for env in names:
         assert f"eval/{env}/greedy/reward/mean" in baseline
         assert f"eval/{env}/greedy/reward/mean" in steps[-1]

@@ -41,6 +41,10 @@ def wait_for(condition, what, timeout=300.0):
     return found
 
 
+def served_by_remote(run_dir) -> bool:
+    return any(r.turns[-1].inference_metadata.server_id == "remote0" for r in read_rollouts(run_dir))
+
+
 def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     monkeypatch.setenv("MARIN_RL_WEIGHT_TOKEN", TOKEN)
     port = free_port()
@@ -51,7 +55,7 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
             f"--run_dir={run_dir}", "--max_steps=1000", "--batcher.total_token_budget=640", "--server.max_seqs=16",
             "--checkpoint_every=1000", f"--broadcaster.remote_servers=[http://127.0.0.1:{port}/v1]",
             "--broadcaster.reconnect_max_backoff_s=2", "--broadcaster.confirm_timeout_s=5",
-            "--max_buffered_batches=1000",  # workers go on sampling, from it too, while a push waits on it "--envs.addition.replicas=4",
+            "--max_buffered_batches=1000",  # workers go on sampling, from it too, while a push waits on it
         ],
     )  # fmt: skip
     tokenizer = load_tokenizer("char")
@@ -63,7 +67,11 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     trainer = threading.Thread(target=lambda: result.setdefault("run", train(config, stop=stop)))
     trainer.start()
     try:
-        frozen_at = wait_for(lambda: max((r["step"] for r in metrics(run_dir)), default=0) >= 3 and metrics(run_dir)[-1]["step"], "3 steps")
+        # On a loaded machine its first push can outlast confirm_timeout_s: it must have served before it hangs.
+        frozen_at = wait_for(
+            lambda: max((r["step"] for r in metrics(run_dir)), default=0) >= 3 and served_by_remote(run_dir) and metrics(run_dir)[-1]["step"],
+            "3 steps, rollouts sampled from the remote server among them",
+        )
         process.send_signal(signal.SIGSTOP)  # hung: requests sent to it now wait on it
         wait_for(lambda: metrics(run_dir)[-1]["step"] >= frozen_at + 2, "steps while it hangs")
         process.kill()
