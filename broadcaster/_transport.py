@@ -336,10 +336,11 @@ class RemoteTransport(ReconnectingTransport):
         weights = payload.weights if payload.adapters is None or with_base else None
         headers = {"Authorization": f"Bearer {self._token}"}
         if self.transfer == "upload":  # the body: the weights' bytes, then the adapters'
-            sent = weights or b""
-            params = {"policy_version": policy_version, "reset": reset, "weights_bytes": len(sent)}
+            parts = [weights or b"", payload.adapters or b""]
+            params = {"policy_version": policy_version, "reset": reset, "weights_bytes": len(parts[0])}
             headers["Content-Type"] = "application/octet-stream"
-            request = dict(url=f"{self.base_url}/weights/upload", params=params, content=sent + (payload.adapters or b""))
+            headers["Content-Length"] = str(sum(len(part) for part in parts))
+            request = dict(url=f"{self.base_url}/weights/upload", params=params, content=body_pieces(parts))
         else:
             body = {"policy_version": policy_version, "reset": reset}
             body |= {"adapters": payload.adapters} if payload.adapters is not None else {}
@@ -366,6 +367,19 @@ class RemoteTransport(ReconnectingTransport):
             raise Unreachable(f"{type(e).__name__}: {e}") from e
         body = response.json()
         return int(body["policy_version"]), body.get("instance")
+
+
+UPLOAD_PIECE_BYTES = 1 << 20
+
+
+def body_pieces(parts: list[bytes]):
+    """`parts` one after the other, in pieces of a MiB: httpx's socket writer copies what a send left of
+    its piece, so a 769 MiB body in one piece went at 40 MB/s (a second per 40 MB) and in pieces at
+    GB/s."""
+    for part in parts:
+        view = memoryview(part)
+        for start in range(0, len(view), UPLOAD_PIECE_BYTES):
+            yield bytes(view[start : start + UPLOAD_PIECE_BYTES])
 
 
 ADAPTERS_FILE = "adapters.safetensors"

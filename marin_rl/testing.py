@@ -125,12 +125,14 @@ def start_serve_process(checkpoint, workdir, *, token: str | None = None, port: 
     n = len(list(workdir.glob("serve-*.log")))
     ready, log_path = workdir / f"serve-{n}.ready.json", workdir / f"serve-{n}.log"
     command = [
-        sys.executable, "-m", "marin_rl.server", f"--checkpoint={checkpoint}",
+        sys.executable, "-m", "marin_rl.server", f"--checkpoint={Path(checkpoint).resolve()}",
         f"--server.port={port}", f"--ready_file={ready}", *flags,
     ]  # fmt: skip
     env = {**os.environ, **({"MARIN_RL_WEIGHT_TOKEN": token} if token else {})}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # In `workdir`: `-m` puts the working directory first on the path, and a source tree's own
+        # `marin_rl/` folder (without the packages an install maps into it) would shadow the package.
+        process = subprocess.Popen(command, env=env, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if process.poll() is not None or time.monotonic() > deadline:

@@ -4,17 +4,35 @@ checkpoint written. Floating parameters may be cast on the way (`bfloat16` halve
 
 from __future__ import annotations
 
+import functools
+
 
 def weights_to_bytes(model, dtype: str | None = None) -> bytes:
     """`model`'s parameters as safetensors bytes, floating ones cast to `dtype` (None keeps them)."""
-    import jax.numpy as jnp
-    import safetensors.flax  # JAX arrays, bfloat16 included (safetensors' numpy loader has no bfloat16)
-    from haliax.state_dict import to_torch_compatible_state_dict
+    import equinox as eqx
+    import jax
+    import safetensors.flax  # bfloat16 included (safetensors' numpy loader has no bfloat16)
+    from haliax.state_dict import flatten_modules_for_export, to_state_dict
 
-    state = to_torch_compatible_state_dict(model)
-    if dtype is not None:
-        state = {k: v.astype(dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for k, v in state.items()}
-    return safetensors.flax.save(state)
+    if dtype is not None:  # on the device, in one program: half the bytes come to the host, none cast there
+        model = _cast_program(dtype)(model)
+    # haliax's to_torch_compatible_state_dict copies each array to the host in turn (8.6 s for a 1B
+    # model's 2.1 GB of bfloat16 on an H200); one device_get overlaps the copies.
+    state = to_state_dict(flatten_modules_for_export(eqx.filter(model, eqx.is_array)))
+    return safetensors.flax.save(jax.device_get(state))
+
+
+@functools.cache
+def _cast_program(dtype: str):
+    """A jitted cast of every floating array to `dtype`, one per dtype, kept: a new function at every push
+    would trace and compile again."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    target = jnp.dtype(dtype)
+    cast = lambda x: x.astype(target) if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    return eqx.filter_jit(lambda model: jax.tree.map(cast, model))
 
 
 def weights_from_bytes(data: bytes, template):
