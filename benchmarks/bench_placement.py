@@ -1,15 +1,18 @@
-"""Placement benchmark on a 2-GPU host: the loop of `bench_loop.py` in each placement, one after the other.
+"""Placement benchmark on a host of 2 or more GPUs: the loop of `bench_loop.py` in each placement, one
+after the other. `--engines 1 3` runs each placement but `colocated` with 1 and with 3 engines.
 
 - `colocated`: learner and engine take turns on GPU 0 (today's default).
-- `split`: one process, learner on GPU 0, engine on GPU 1; each swap is a device-to-device copy.
-- `ray`: a Ray cluster whose one GPU is GPU 1 (`ray start --head --num-gpus=1` with
-  CUDA_VISIBLE_DEVICES=1), the driver (learner) on GPU 0 joining it, one server actor on GPU 1; weights
+- `split`: one process, learner on GPU 0, an engine on each of GPUs 1..N; each swap is a device-to-device
+  copy.
+- `ray`: a Ray cluster whose GPUs are GPUs 1..N (`ray start --head --num-gpus=N` with
+  CUDA_VISIBLE_DEVICES=1,..,N), the driver (learner) on GPU 0 joining it, a server actor on each; weights
   through the object store. `ray_checkpoint`: the same with weights through an HF checkpoint on disk.
 
 Each mode runs `bench_loop.py` in a fresh process and prints its figures (generated tok/s, learner
 tok/s, share of time the learner waits, swap / broadcast seconds), then one table of all modes.
 
     python benchmarks/bench_placement.py --size 0.5b --steps 8 --server-dtype bfloat16 --attn-backend jax_flash
+    python benchmarks/bench_placement.py --modes colocated split --engines 1 3 --size 0.5b ...   # 4 GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_placement.py --cpu --size tiny --steps 3
 
 Any option not listed here goes to `bench_loop.py` (see its --help). `--cpu`: CPU smoke run (two host
@@ -33,28 +36,29 @@ RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 MODES = ("colocated", "split", "ray", "ray_checkpoint")
 
 
-def mode_overrides(mode: str, cpu: bool) -> list[str]:
-    ray = ["--runtime=ray", "--ray.address=auto", f"--ray.server_num_gpus={0 if cpu else 1}", "--ray.num_servers=1"]
+def mode_overrides(mode: str, engines: int, cpu: bool) -> list[str]:
+    ray = ["--runtime=ray", "--ray.address=auto", f"--ray.server_num_gpus={0 if cpu else 1}", f"--ray.num_servers={engines}"]
     return {
         "colocated": [],
-        "split": ["--placement.server_devices=[1]"],
+        "split": [f"--placement.server_devices=[{','.join(str(d) for d in range(1, engines + 1))}]"],
         "ray": [*ray, "--ray.weight_transfer=object_store"],
         "ray_checkpoint": [*ray, "--ray.weight_transfer=checkpoint"],
     }[mode]
 
 
-def run_mode(mode: str, cpu: bool, loop_args: list[str], work: Path) -> Path:
-    run_dir = work / mode
+def run_mode(mode: str, engines: int, cpu: bool, loop_args: list[str], work: Path) -> Path:
+    run_dir = work / f"{mode}_x{engines}"
     env = dict(os.environ)
     started_ray = mode.startswith("ray")
-    if started_ray:  # the cluster's only GPU is GPU 1; the driver keeps GPU 0
-        ray_env = {**env, **({} if cpu else {"CUDA_VISIBLE_DEVICES": "1"})}
-        head = ["start", "--head", f"--num-gpus={0 if cpu else 1}", "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"]
+    if started_ray:  # the cluster's GPUs are GPUs 1..N; the driver keeps GPU 0
+        gpus = ",".join(str(d) for d in range(1, engines + 1))
+        ray_env = {**env, **({} if cpu else {"CUDA_VISIBLE_DEVICES": gpus})}
+        head = ["start", "--head", f"--num-gpus={0 if cpu else engines}", f"--num-cpus={4 * engines}", "--include-dashboard=false", "--disable-usage-stats"]
         head += ["--object-store-memory=200000000"] if cpu else []
         subprocess.run([*RAY_CLI, *head], env=ray_env, check=True)
         if not cpu:
             env["CUDA_VISIBLE_DEVICES"] = "0"
-    overrides = [f"--override={o}" for o in mode_overrides(mode, cpu)]
+    overrides = [f"--override={o}" for o in mode_overrides(mode, engines, cpu)]
     try:
         subprocess.run([sys.executable, str(HERE / "bench_loop.py"), *loop_args, f"--run-dir={run_dir}", *overrides], env=env, check=True)
     finally:
@@ -84,13 +88,16 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU smoke run")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the figures (compilation)")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1], help="engines (GPUs besides the learner's) of the split and ray modes")
     args, loop_args = parser.parse_known_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-placement-"))
     loop_args = [*loop_args, f"--warmup-steps={args.warmup_steps}"]
     rows = {}
     for mode in args.modes:
-        print(f"=== {mode}", flush=True)
-        rows[mode] = figures(run_mode(mode, args.cpu, loop_args, work), args.warmup_steps)
+        for engines in [1] if mode == "colocated" else args.engines:
+            name = mode if mode == "colocated" else f"{mode} x{engines}"
+            print(f"=== {name}", flush=True)
+            rows[name] = figures(run_mode(mode, engines, args.cpu, loop_args, work), args.warmup_steps)
     columns = list(next(iter(rows.values())))
     print("\n| mode | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
