@@ -1,7 +1,6 @@
 """End to end: the quickstart task through the whole loop (server, workers, buffers, batcher, learner)."""
 
 import dataclasses
-import json
 
 import pytest
 
@@ -9,6 +8,7 @@ from marin_rl.cli import main
 from marin_rl.config import load_config
 from marin_rl.orchestrator import train
 from marin_rl.storage import read_rollouts
+from marin_rl.testing import metrics_records
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +38,10 @@ def short_run(tmp_path_factory):
     return config, result
 
 
-def metrics_of(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_policy_versions_advance_and_every_step_is_logged(short_run):
     config, result = short_run
     assert result.final_step == 3 and not result.stopped_early
-    records = metrics_of(result.run_dir)
+    records = metrics_records(result.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["broadcast/version"] for r in records] == [1.0, 2.0, 3.0]
     assert all(r["learner/num_loss_tokens"] > 0 for r in records)
@@ -54,7 +50,7 @@ def test_policy_versions_advance_and_every_step_is_logged(short_run):
 def test_no_rollout_older_than_max_age_is_trained_on(short_run):
     config, result = short_run
     max_age = config.envs[0].buffer.max_age
-    for record in metrics_of(result.run_dir):
+    for record in metrics_records(result.run_dir):
         assert record["batch/staleness_max"] <= max_age
 
 
@@ -96,7 +92,7 @@ def test_resume_continues_from_the_latest_checkpoint(short_run):
     config, result = short_run
     resumed = train(dataclasses.replace(config, max_steps=4), resume=True)
     assert resumed.final_step == 4
-    assert [r["step"] for r in metrics_of(result.run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics_records(result.run_dir)] == [1, 2, 3, 4]
 
 
 def test_a_second_run_into_the_same_dir_is_refused(short_run):

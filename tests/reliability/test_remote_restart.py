@@ -6,7 +6,6 @@ sampled from again. Its own checkpoint claims policy version 999: a rollout labe
 sampled from weights this run never pushed (at the start, or after the restart).
 """
 
-import json
 import signal
 import threading
 import time
@@ -19,18 +18,13 @@ from marin_rl.config import load_config
 from marin_rl.learner import build_model, save_hf_model
 from marin_rl.orchestrator import train
 from marin_rl.storage import read_rollouts
-from marin_rl.testing import free_port, start_serve_process
+from marin_rl.testing import free_port, metrics_records, start_serve_process
 from marin_rl.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "s3cret-token"
 OWN_VERSION = 999
-
-
-def metrics(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def wait_for(condition, what, timeout=300.0):
@@ -69,23 +63,23 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     try:
         # On a loaded machine its first push can outlast confirm_timeout_s: it must have served before it hangs.
         frozen_at = wait_for(
-            lambda: max((r["step"] for r in metrics(run_dir)), default=0) >= 3 and served_by_remote(run_dir) and metrics(run_dir)[-1]["step"],
+            lambda: max((r["step"] for r in metrics_records(run_dir)), default=0) >= 3 and served_by_remote(run_dir) and metrics_records(run_dir)[-1]["step"],
             "3 steps, rollouts sampled from the remote server among them",
         )
         process.send_signal(signal.SIGSTOP)  # hung: requests sent to it now wait on it
-        wait_for(lambda: metrics(run_dir)[-1]["step"] >= frozen_at + 2, "steps while it hangs")
+        wait_for(lambda: metrics_records(run_dir)[-1]["step"] >= frozen_at + 2, "steps while it hangs")
         process.kill()
         process.wait()
         # The run goes on without it, and reports it down.
         down = wait_for(
-            lambda: [r for r in metrics(run_dir) if r["step"] > frozen_at + 2 and r["broadcast/servers_down"] == 1], "steps without it"
+            lambda: [r for r in metrics_records(run_dir) if r["step"] > frozen_at + 2 and r["broadcast/servers_down"] == 1], "steps without it"
         )
         process, _ = start_serve_process(own, tmp_path, token=TOKEN, port=port, flags=flags)  # its own weights again
         back_at = wait_for(
-            lambda: next((r["step"] for r in metrics(run_dir) if r["step"] > down[0]["step"] and r["broadcast/servers_down"] == 0), None),
+            lambda: next((r["step"] for r in metrics_records(run_dir) if r["step"] > down[0]["step"] and r["broadcast/servers_down"] == 0), None),
             "the server to be back",
         )
-        wait_for(lambda: metrics(run_dir)[-1]["step"] >= back_at + 4, "steps after it came back")
+        wait_for(lambda: metrics_records(run_dir)[-1]["step"] >= back_at + 4, "steps after it came back")
     finally:
         stop.set()
         trainer.join(timeout=300)
@@ -101,11 +95,11 @@ def test_a_remote_server_killed_and_restarted_mid_run(tmp_path, monkeypatch):
     rollouts = read_rollouts(run_dir)
     remote = [r for r in rollouts if r.turns[-1].inference_metadata.server_id == "remote0"]
     versions = sorted({r.policy_version for r in remote})
-    down_steps = sum(r["broadcast/servers_down"] == 1 for r in metrics(run_dir))
+    down_steps = sum(r["broadcast/servers_down"] == 1 for r in metrics_records(run_dir))
     print(
         f"frozen after step {frozen_at} then killed, back at step {back_at} ({down_steps} steps reported it down), run stopped at "
         f"{run.final_step}; {len(remote)} of {len(rollouts)} rollouts from the remote server, versions {versions[0]}..{versions[-1]}"
     )
     assert OWN_VERSION not in versions  # never sampled from before it had this run's weights
     assert any(v < frozen_at for v in versions) and any(v >= back_at for v in versions)  # used before and after
-    assert max(r["workers/addition/errors"] for r in metrics(run_dir)) >= 1  # requests left hanging on it failed at the kill, and were retried
+    assert max(r["workers/addition/errors"] for r in metrics_records(run_dir)) >= 1  # requests left hanging on it failed at the kill, and were retried
