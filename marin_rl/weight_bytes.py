@@ -24,15 +24,15 @@ def weights_to_bytes(model, dtype: str | None = None) -> bytes:
 
 @functools.cache
 def _cast_program(dtype: str):
-    """A jitted cast of every floating array to `dtype`, one per dtype, kept: a new function at every push
-    would trace and compile again."""
+    """`cast_floating` jitted, one program per dtype, kept: a new function at every push would trace and
+    compile again."""
     import equinox as eqx
-    import jax
     import jax.numpy as jnp
 
+    from marin_rl.learner import cast_floating
+
     target = jnp.dtype(dtype)
-    cast = lambda x: x.astype(target) if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-    return eqx.filter_jit(lambda model: jax.tree.map(cast, model))
+    return eqx.filter_jit(lambda model: cast_floating(model, target))
 
 
 def weights_from_bytes(data: bytes, template):
