@@ -17,7 +17,7 @@ CHECK = Path(__file__).with_name("_placement_check.py")
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
     work = tmp_path_factory.mktemp("placement")
     done = subprocess.run([sys.executable, str(CHECK), str(work)], capture_output=True, text=True, env=env, timeout=900, cwd=CHECK.parents[2])
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
