@@ -5,7 +5,7 @@
   restarted serves nothing until the broadcaster has brought it the current version.
 - `EnvWorkerActor`: an `EnvWorkers` whose replay buffers are `Outbox`es: finished rollouts wait there
   until the driver collects them (`collect`, a long poll), and the driver sends back what the workers
-  need from it: its buffers' sizes (to pause when ahead) and which servers serve this run's weights.
+  need from it: the tokens its buffers hold for the next steps (to pause when ahead) and which servers serve this run's weights.
 
 Nothing heavy is imported at module level: the driver imports this module to name the classes.
 """
@@ -115,14 +115,14 @@ class ServerActor:
 
 class Outbox:
     """An env's replay buffer as an env-worker actor sees it: `add` keeps the rollouts until the driver
-    takes them; `size` is the driver's buffer plus what waits here (workers pause on it)."""
+    takes them; `tokens_ahead` is the driver buffer's plus what waits here (workers pause on it)."""
 
     def __init__(self, arrived: threading.Condition):
         self._arrived = arrived  # shared by an actor's outboxes: `collect` waits on any of them
         self._rollouts: list[Rollout] = []
         self._tokens = 0
-        self.driver_size = (0, 0)
-        """(rollouts, tokens) in the driver's buffer, as of the last collection."""
+        self.driver_tokens_ahead = 0
+        """The driver's buffer's `tokens_ahead`, as of the last collection."""
 
     def add(self, rollouts: list[Rollout]) -> int:
         with self._arrived:
@@ -131,9 +131,9 @@ class Outbox:
             self._arrived.notify_all()
         return len(rollouts)  # the driver's buffer validates them (and counts rejects)
 
-    def size(self) -> tuple[int, int]:
+    def tokens_ahead(self) -> int:
         with self._arrived:
-            return self.driver_size[0] + len(self._rollouts), self.driver_size[1] + self._tokens
+            return self.driver_tokens_ahead + self._tokens
 
     @property
     def holds_rollouts(self) -> bool:
@@ -214,17 +214,17 @@ class EnvWorkerActor:
         with self._arrived:
             self._arrived.notify_all()
 
-    def collect(self, sizes: dict[str, tuple[int, int]], windows: list, wait_s: float) -> dict:
-        """Hand over the finished rollouts (waiting up to `wait_s` for some), given the driver's buffer
-        `sizes` and each gated server's sampling `windows`."""
+    def collect(self, tokens_ahead: dict[str, int], windows: list, wait_s: float) -> dict:
+        """Hand over the finished rollouts (waiting up to `wait_s` for some), given the driver's buffers'
+        `tokens_ahead` and each gated server's sampling `windows`."""
         from marin_rl.distributed._wire import rollouts_to_bytes
 
         if self.workers is None:
             return {"started": False}
         self._open(windows)
         with self._arrived:
-            for name, size in sizes.items():
-                self.outboxes[name].driver_size = tuple(size)
+            for name, tokens in tokens_ahead.items():
+                self.outboxes[name].driver_tokens_ahead = tokens
             self._arrived.wait_for(lambda: self.failure or any(o.holds_rollouts for o in self.outboxes.values()), timeout=wait_s)
             taken = {name: outbox.take() for name, outbox in self.outboxes.items()}
         stale = [(i, v, above) for i, gate in enumerate(self.gates) if gate is not None for v, above in gate.stale]

@@ -182,8 +182,8 @@ class RayEnvWorkers:
     # ---- the collector ----
 
     def _collect(self, index: int):
-        sizes = {name: buffer.size() for name, buffer in self.buffers.items()}
-        return self.actors[index].collect.remote(sizes, self._windows(), COLLECT_WAIT_S)
+        ahead = {name: buffer.tokens_ahead() for name, buffer in self.buffers.items()}
+        return self.actors[index].collect.remote(ahead, self._windows(), COLLECT_WAIT_S)
 
     def _windows(self) -> list:
         return [None if gate is None else gate.sampling_window() for gate in self.gates]

@@ -108,8 +108,9 @@ def build_model(model_config: ModelConfig, vocab_size: int, *, key) -> LmHeadMod
 
     # It runs once: on CPU, LLVM's optimisations were 3/4 of its compilation (4.9 -> 1.4 s for the
     # quickstart's model) and change only last bits of the draws.
-    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
-    return _with_attention_backend(init.lower(key).compile(options)(key), model_config)
+    if isinstance(key, jax.core.Tracer) or jax.default_backend() != "cpu":  # traced: a shape-only template
+        return _with_attention_backend(init(key), model_config)
+    return _with_attention_backend(init.lower(key).compile({"xla_backend_optimization_level": 0})(key), model_config)
 
 
 def _single_device_mesh() -> Mesh:

@@ -171,8 +171,9 @@ class TrainConfig:
     """Also export Hugging Face weights to RUN/hf/step-N/ (and with LoRA the PEFT adapter to
     RUN/peft/step-N/) every this many steps; None: only at the end."""
     max_buffered_batches: float = 2.0
-    """Env workers pause while their buffer holds this many batches' worth of the env's share: on a
-    shared machine, rollouts generated further ahead would only grow stale."""
+    """Env workers pause while their buffer holds this many batches' worth of the env's share that the
+    next policy version still trains on (`ReplayBuffer.tokens_ahead`): rollouts generated further ahead
+    would only grow stale."""
     worker_max_backoff_s: float = 30.0
     """Longest wait between retries of a failing env worker (it starts at 1 s and doubles)."""
     deterministic: bool = False

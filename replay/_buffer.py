@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -144,6 +145,7 @@ class ReplayBuffer:
         self._groups: dict[str, list[FlatRollout]] = {}  # insertion order = arrival order
         self._num_rollouts = 0  # kept in step with _groups, so size() is O(1) (workers poll it)
         self._num_tokens = 0
+        self._tokens_by_version: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._data_arrived = threading.Condition(self._lock)
         self._policy_version = 0
@@ -181,6 +183,7 @@ class ReplayBuffer:
                 self._groups.setdefault(rollout.group_id, []).append(entry)
                 self._num_rollouts += 1
                 self._num_tokens += entry.num_tokens
+                self._tokens_by_version[entry.policy_version] += entry.num_tokens
                 self._oldest_version = min(self._oldest_version, entry.policy_version)
                 self._count_new(entry)
             if accepted:
@@ -270,6 +273,9 @@ class ReplayBuffer:
         """Update the counters for entries leaving the buffer (caller holds the lock)."""
         self._num_rollouts -= len(entries)
         self._num_tokens -= sum(e.num_tokens for e in entries)
+        for entry in entries:
+            self._tokens_by_version[entry.policy_version] -= entry.num_tokens
+        self._tokens_by_version = +self._tokens_by_version  # without the versions no longer held
 
     # ---- the batcher's side ----
 
@@ -314,6 +320,7 @@ class ReplayBuffer:
             dropped = self._num_rollouts
             self._groups.clear()
             self._num_rollouts = self._num_tokens = 0
+            self._tokens_by_version.clear()
             self._totals["dropped_unused"] += dropped
         return dropped
 
@@ -326,6 +333,18 @@ class ReplayBuffer:
         """(rollouts, tokens) currently held."""
         with self._lock:
             return self._num_rollouts, self._num_tokens
+
+    def tokens_ahead(self) -> int:
+        """Tokens held that the next policy version still trains on: env workers pause on this, not on
+        `size`. Rollouts about to age out must not pause them: with 3 fast engines (1B, H200s), the
+        groups in flight overshot the pause, the batcher trained on the newest, the rest aged out, and
+        the learner waited 0.44 of the time for fresh ones. With max_age 0 (nothing is kept across
+        versions) and for a frozen source, every token held counts."""
+        with self._lock:
+            if self.algorithm.frozen_source:
+                return self._num_tokens
+            oldest_kept = self._policy_version + 1 - max(self.config.max_age, 1)
+            return sum(tokens for version, tokens in self._tokens_by_version.items() if version >= oldest_kept)
 
     # ---- reporting ----
 

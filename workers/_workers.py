@@ -287,7 +287,7 @@ class EnvWorkers:
         # Checks `_stopping` too: Python 3.11's `asyncio.wait_for` can swallow a cancellation that
         # races with its result, and the worker must not sample on against stopped servers.
         while self.failure is None and not self._stopping.is_set():
-            while buffer.size()[1] >= spec.max_buffered_tokens:
+            while buffer.tokens_ahead() >= spec.max_buffered_tokens:
                 await asyncio.sleep(0.05)
             try:
                 rollouts = await self._group(name, self._draw(name))

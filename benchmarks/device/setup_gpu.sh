@@ -8,7 +8,9 @@
 # transformers and accelerate, with trl and datasets from .whl in /tmp/trl.
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-tar xzf .ray/ray312.tgz -C /tmp/site
+# The runnable Ray of benchmarks/device/pack_ray.sh when it was packed (then run Ray benches from /tmp: actors
+# started in the tree find its bare marin_rl/ first), else prepare.sh's import-only one.
+if [ -f .ray/ray-cp312.tar.xz ]; then tar xJf .ray/ray-cp312.tar.xz -C /tmp/site; else tar xzf .ray/ray312.tgz -C /tmp/site; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl \
   .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
 rm -rf /tmp/mr && mkdir -p /tmp/mr && cp -r marin_rl /tmp/mr/

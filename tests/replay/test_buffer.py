@@ -24,6 +24,22 @@ def test_max_age_drops_exactly_the_stale_rollouts():
     assert buffer.metrics()["replays/env/dropped_stale"] == 4
 
 
+@pytest.mark.parametrize("max_age", [0, 1, 2])
+def test_tokens_ahead_are_those_the_next_version_still_trains_on(max_age):
+    buffer = ReplayBuffer("env", ReplayBufferConfig(max_age=max_age, min_group_size=1))
+    tokens = {}
+    for version in range(3):
+        group = make_group([1.0, 0.0], group_id=f"v{version}", policy_version=version, seed=version)
+        buffer.add(group)
+        tokens[version] = sum(r.num_tokens for r in group)
+    buffer.set_policy_version(2)  # holds versions >= 2 - max_age; version 3 will keep >= 3 - max_age
+    assert buffer.size()[1] == sum(n for v, n in tokens.items() if v >= 2 - max_age)
+    # With max_age 0 nothing held survives a version: all of it counts, as what this version trains on.
+    assert buffer.tokens_ahead() == sum(n for v, n in tokens.items() if v >= 3 - max(max_age, 1))
+    buffer.take({c.key: len(c.lengths) for c in buffer.candidates()})
+    assert buffer.size() == (0, 0) and buffer.tokens_ahead() == 0
+
+
 def test_mixed_age_group_keeps_only_fresh_members_and_respects_min_group_size():
     buffer = ReplayBuffer("env", ReplayBufferConfig(max_age=0, min_group_size=2))
     old = make_group([1.0, 0.0], group_id="g", policy_version=0)

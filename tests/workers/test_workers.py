@@ -166,3 +166,38 @@ def test_stop_ends_workers_whose_await_swallowed_the_cancellation():
     wait_until(lambda: buffer.size()[0] >= 8, what="rollouts")
     workers.stop(timeout=10)
     assert not workers._thread.is_alive()
+
+
+def test_workers_paused_by_a_full_buffer_resume_when_what_it_holds_is_about_to_age_out():
+    """max_age 1: at version 1 the version-0 rollouts are still trained on, but not at version 2, so
+    they no longer pause the workers, which sample with version 1 (pausing on them starved the
+    learner once they aged out)."""
+    from marin_rl.envs import Completion, Sampler
+    from marin_rl.types import InferenceMetadata
+
+    served = {"version": 0}
+
+    class Policy(Sampler):
+        async def sample(self, prompt_ids, n, params):
+            metadata = InferenceMetadata(server_id="embedded", model="policy", policy_version=served["version"], finish_reason="length")
+            return [Completion([20], [-0.1], metadata) for _ in range(n)]
+
+    tokenizer = load_tokenizer("char")
+    env = build_env("toy_addition", {}, tokenizer=tokenizer, name="addition")
+    buffer = ReplayBuffer("addition", ReplayBufferConfig(max_age=1, min_group_size=1))
+    spec = WorkerSpec(replicas=1, group_size=2, settings=resolve_settings(env), max_buffered_tokens=40)
+    workers = EnvWorkers({"addition": env}, {"addition": spec}, {"addition": buffer}, [Endpoint("http://unused/v1", "policy", "embedded", local=Policy())])
+    workers.start()
+    try:
+        wait_until(lambda: buffer.size()[1] >= 40, what="a full buffer")
+        time.sleep(0.3)
+        paused_at = buffer.size()
+        assert paused_at[1] < 40 + 2 * 16  # it paused: at most the group in flight went past the limit
+        served["version"] = 1
+        buffer.set_policy_version(1)
+        assert buffer.size() == paused_at  # version 0 is still trained on at version 1
+        wait_until(lambda: buffer.tokens_ahead() >= 40, what="version-1 rollouts")
+        versions = [m.policy_version for g in buffer.take({c.key: len(c.lengths) for c in buffer.candidates()}) for m in g.members]
+        assert versions.count(0) == paused_at[0] and versions.count(1) > 0
+    finally:
+        workers.stop()
