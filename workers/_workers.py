@@ -55,7 +55,8 @@ class WorkerSpec:
     settings: RolloutSettings
     """What its groups are sampled and scored with; rollouts capped at the batcher's row length."""
     max_buffered_tokens: int = 2**62
-    """Pause while the buffer holds this many tokens (rollouts further ahead would go stale)."""
+    """Pause while the buffer holds this many tokens that the next policy version still trains on
+    (`ReplayBuffer.tokens_ahead`; rollouts further ahead would go stale)."""
     source: str = "policy"
     """Who writes the completions: `policy` (the servers), `teacher` (a frozen teacher server) or
     `dataset` (the problems' demonstrations)."""
