@@ -5,7 +5,8 @@
   restarted serves nothing until the broadcaster has brought it the current version.
 - `EnvWorkerActor`: an `EnvWorkers` whose replay buffers are `Outbox`es: finished rollouts wait there
   until the driver collects them (`collect`, a long poll), and the driver sends back what the workers
-  need from it: the tokens its buffers hold for the next steps (to pause when ahead) and which servers serve this run's weights.
+  need from it: its buffers' `tokens_ahead` (to pause when ahead) and which servers serve this run's
+  weights.
 
 Nothing heavy is imported at module level: the driver imports this module to name the classes.
 """

@@ -275,7 +275,8 @@ class ReplayBuffer:
         self._num_tokens -= sum(e.num_tokens for e in entries)
         for entry in entries:
             self._tokens_by_version[entry.policy_version] -= entry.num_tokens
-        self._tokens_by_version = +self._tokens_by_version  # without the versions no longer held
+            if not self._tokens_by_version[entry.policy_version]:
+                del self._tokens_by_version[entry.policy_version]
 
     # ---- the batcher's side ----
 
@@ -336,10 +337,8 @@ class ReplayBuffer:
 
     def tokens_ahead(self) -> int:
         """Tokens held that the next policy version still trains on: env workers pause on this, not on
-        `size`. Rollouts about to age out must not pause them: with 3 fast engines (1B, H200s), the
-        groups in flight overshot the pause, the batcher trained on the newest, the rest aged out, and
-        the learner waited 0.44 of the time for fresh ones. With max_age 0 (nothing is kept across
-        versions) and for a frozen source, every token held counts."""
+        `size`, so that rollouts about to age out do not hold back fresh ones (docs/distributed.md, 4
+        GPUs). With max_age 0 (nothing is kept across versions) and for a frozen source: all of them."""
         with self._lock:
             if self.algorithm.frozen_source:
                 return self._num_tokens
