@@ -90,7 +90,9 @@ def main() -> None:
     parser.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # the client process
     parser.add_argument("--latency", type=float, default=0.0, help="seconds the engine takes per job (0: it answers at once)")
     parser.add_argument("--requests-per-client", type=int, default=4, help="with --latency")
-    parser.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp", help="with --latency: the openai client's HTTP backend")
+    parser.add_argument(
+        "--client", choices=["aiohttp", "httpx", "raw"], default="aiohttp", help="with --latency: the openai client's HTTP backend; raw: aiohttp without the SDK"
+    )
     args = parser.parse_args()
     if args.client_of:
         print(json.dumps([asyncio.run(send(args.client_of, args.concurrency, args.tokens)) for _ in range(args.rounds)]))

@@ -34,6 +34,7 @@ from marin_rl.envs._sampling import (
     SamplingParams,
     ScriptedSampler,
     async_openai_client,
+    token_prompt_arguments,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "Scores",
     "ScriptedSampler",
     "async_openai_client",
+    "token_prompt_arguments",
     "ToyAdditionEnv",
     "ToyNextLetterEnv",
     "VerifierThreads",

@@ -117,6 +117,13 @@ def async_openai_client(base_url: str, api_key: str, **kwargs):
     return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=DefaultAioHttpClient(), **kwargs)
 
 
+def token_prompt_arguments(prompt_ids: Sequence[int], **extra_body) -> dict[str, Any]:
+    """`completions.create` arguments that send the token-id prompt as it is, with `extra_body`. The SDK
+    walks its arguments element by element to transform them (on the 2-core VM 1.7 of its 2.7 ms of CPU a
+    request for a 96-token prompt, growing with the prompt); extra_body goes into the JSON body untouched."""
+    return {"prompt": [], "extra_body": {"prompt": [int(t) for t in prompt_ids], **extra_body}}
+
+
 class OpenAISampler(Sampler):
     """Samples from an OpenAI-compatible server with vLLM's token-id extensions.
 
@@ -143,7 +150,6 @@ class OpenAISampler(Sampler):
         start = time.perf_counter()
         response = await self.client.completions.create(
             model=self.model,
-            prompt=prompt,
             n=n,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
@@ -152,7 +158,7 @@ class OpenAISampler(Sampler):
             stop=list(params.stop) or None,
             seed=params.seed,
             # vLLM extensions: the sampled ids, and ids (`token_id:N`) in the logprob tokens.
-            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+            **token_prompt_arguments(prompt, return_token_ids=True, return_tokens_as_token_ids=True),
         )
         latency_s = time.perf_counter() - start
         return parse_completions(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from marin_rl.envs import Completion, Problem, Sampler, SamplingParams
+from marin_rl.envs import Completion, Problem, Sampler, SamplingParams, token_prompt_arguments
 from marin_rl.types import InferenceMetadata, Rollout
 
 
@@ -54,10 +54,9 @@ class TeacherScorer:
         ids = rollout.token_ids().tolist()
         response = await self.client.completions.create(
             model=self.model,
-            prompt=ids,
             max_tokens=1,  # the forward pass over the prompt is what we want; one token is the minimum
             temperature=1.0,
-            extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+            **token_prompt_arguments(ids, prompt_logprobs=0, return_token_ids=True),
         )
         choice = response.choices[0]
         prompt_logprobs = getattr(choice, "prompt_logprobs", None) or (choice.model_extra or {}).get("prompt_logprobs")

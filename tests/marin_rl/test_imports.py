@@ -133,3 +133,11 @@ def test_the_run_config_imports_no_jax_levanter_or_ray():
     code = f"import sys, marin_rl.config; print([m for m in {heavy!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_run_that_samples_in_process_does_not_import_the_openai_sdk():
+    """The loop's modules leave `openai` to the samplers that talk HTTP: importing it adds about a second to
+    every start-up on a 2-core CPU, and the quickstart's workers sample the embedded engine directly."""
+    code = "import sys, marin_rl.orchestrator, marin_rl.workers, marin_rl.server, marin_rl.envs; print('openai' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
