@@ -314,6 +314,9 @@ def main() -> None:
         print(json.dumps(asyncio.run(send_completions(args.client_of, json.loads(sys.stdin.read()), args.concurrency[0], args.start_at, args.client))))
         return
 
+    from marin_rl.compiles import prepare_process
+
+    prepare_process()  # as `marin-rl serve` runs
     import jax
 
     from marin_rl._upstream import restore_jax_core_is_constant_dim

@@ -87,6 +87,9 @@ def packed_batch(rows: int, seq_len: int, rollouts_per_row: int, vocab_size: int
 
 def main() -> None:
     args = parse_args()
+    from marin_rl.compiles import prepare_process
+
+    prepare_process()  # as `marin-rl train` runs
     # Heavy imports after parsing, so --help is instant.
     import equinox as eqx
     import jax

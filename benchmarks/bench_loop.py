@@ -63,6 +63,9 @@ def main() -> None:
     if args.summarize:
         summarize(args.summarize, args, wall=None)
         return
+    from marin_rl.compiles import prepare_process
+
+    prepare_process()  # as `marin-rl train` runs
     from marin_rl.config import load_config
     from marin_rl.orchestrator import train
 

@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--engine-device", type=int, default=1, help="device: the engine's device index; upload: the serve process's GPU")
     args = parser.parse_args()
 
+    from marin_rl.compiles import prepare_process
+
+    prepare_process()  # as `marin-rl train` runs
     import jax
 
     model = build(args.size, 1024)

@@ -78,14 +78,11 @@ def summary(
 
 
 def run_marin(args, checkpoint: str | None) -> dict:
-    from marin_rl._upstream import transformers_without_torch
-
-    transformers_without_torch()  # as `marin-rl train` runs
     if args.side == "both":  # TRL's process runs next on the same GPU while this one keeps what JAX took
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
-    from marin_rl.compiles import set_default_xla_flags
+    from marin_rl.compiles import prepare_process
 
-    set_default_xla_flags()  # as `marin-rl train` does, before JAX starts its backend
+    prepare_process()  # as `marin-rl train` runs
     import jax
 
     from marin_rl.config import load_config

@@ -19,8 +19,7 @@ import threading
 import uuid
 from dataclasses import replace
 
-from marin_rl._upstream import transformers_without_torch
-from marin_rl.compiles import enable_compilation_cache, set_default_xla_flags
+from marin_rl.compiles import enable_compilation_cache, prepare_process
 from marin_rl.types import Rollout
 
 NOT_SERVING = -1
@@ -39,8 +38,7 @@ class ServerActor:
         """`model_config` is the learner's Levanter model config: weights arrive as its parameters.
         `compilation_cache`: the run's setting (`auto` resolves on the actor's node): a restarted actor,
         and every actor after the first on a node, loads the engine's programs instead of compiling them."""
-        set_default_xla_flags()  # as `marin-rl train` and `serve` run, before JAX starts here
-        transformers_without_torch()
+        prepare_process()  # as `marin-rl train` and `serve` run, before JAX starts here
         if not gpu:
             _cpu_only()
         enable_compilation_cache(compilation_cache)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from marin_rl._upstream import jit_cache_size
+from marin_rl.compiles import engine_compiler_options
 from marin_rl.engine._attention import choose_kernels
 from marin_rl.engine._config import EngineConfig
 from marin_rl.engine._device_lock import DeviceLock
@@ -190,9 +191,11 @@ class EngineCore:
                 static = (self.kernels, config.decode_steps, slots_used, truncate)
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
+        options = engine_compiler_options(exact=config.exact_layout is not None)
+
         def compile_call(call):
             key, fn, dynamic, static = call
-            return key, fn.lower(self._leaves, self._cache, self._state, *dynamic, *static).compile()
+            return key, fn.lower(self._leaves, self._cache, self._state, *dynamic, *static).compile(compiler_options=options)
 
         # XLA compiles without the interpreter lock: the shapes compile side by side. All cores but four,
         # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12

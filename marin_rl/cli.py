@@ -23,8 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from marin_rl import rollouts_cli
-from marin_rl._upstream import transformers_without_torch
-from marin_rl.compiles import set_default_xla_flags
+from marin_rl.compiles import prepare_process
 from marin_rl.errors import ConfigError, PermanentError, RunDirError
 
 USAGE_ERROR = 2
@@ -83,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = rest
-    transformers_without_torch()  # 2 s of start-up on a CPU, 10 s on a GPU image with torchvision
-    set_default_xla_flags()
+    prepare_process()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

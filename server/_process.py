@@ -15,8 +15,7 @@ import os
 import signal
 import threading
 
-from marin_rl._upstream import transformers_without_torch
-from marin_rl.compiles import enable_compilation_cache, set_default_xla_flags
+from marin_rl.compiles import enable_compilation_cache, prepare_process
 from marin_rl.server._config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -24,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 def serve_main(config: ServeConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
-    set_default_xla_flags()
-    transformers_without_torch()
+    prepare_process()
     # Heavy imports after the config is parsed.
     import equinox as eqx
     import jax

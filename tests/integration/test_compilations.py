@@ -2,6 +2,8 @@
 (the quickstart and the multi-env example are checked where their integration tests run)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -71,3 +73,23 @@ def test_a_multi_turn_env_with_ragged_prompts_compiles_nothing_after_step_1(tmp_
     assert len(buckets) >= 3, buckets
     assert np.mean([len(r.turns) >= 4 for r in rollouts]) > 0.5
     assert max(len(t.token_ids) for r in rollouts for t in r.turns if t.role == "assistant") > 1
+
+
+def test_an_entry_left_half_written_by_a_killed_run_does_not_stop_the_cache_from_filling(tmp_path):
+    """JAX writes an entry, then its access time; a run killed between the two left an entry JAX's
+    eviction scan failed on at every later write, so nothing new was ever cached."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "jit_orphan-0123-cache").write_bytes(b"a program")  # no jit_orphan-0123-atime
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from marin_rl.compiles import enable_compilation_cache\n"
+        "enable_compilation_cache(sys.argv[1])\n"
+        "print(jax.jit(lambda x: x * 3 + 1)(jnp.arange(4)).tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code, str(cache)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in cache.iterdir())
+    assert "jit_orphan-0123-atime" in names
+    written = [n for n in names if n.endswith("-cache") and not n.startswith("jit_orphan")]
+    assert written and all(n.removesuffix("-cache") + "-atime" in names for n in written)

@@ -2,11 +2,12 @@
 
 import os
 
-from marin_rl.compiles import DEFAULT_XLA_FLAGS, GPU_MEMORY_FRACTION, set_default_xla_flags
+from marin_rl.compiles import DEFAULT_XLA_FLAGS, ENGINE_COMPILER_OPTIONS, GPU_MEMORY_FRACTION, engine_compiler_options, set_default_xla_flags
 
 
 def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     set_default_xla_flags()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
@@ -19,3 +20,20 @@ def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkey
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/dump")
     set_default_xla_flags()
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/dump"
+
+
+def test_the_engine_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_passes_are_exact(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")  # restored (absent) after the test
+    set_default_xla_flags()
+    assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"].split()  # the learner's programs
+    assert engine_compiler_options(exact=False) == ENGINE_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": True}
+    assert engine_compiler_options(exact=True) == {}  # the learner's kernels, for the learner's bits
+    set_default_xla_flags()  # again, as a child process that inherited both variables does
+    assert engine_compiler_options(exact=False) == ENGINE_COMPILER_OPTIONS
+
+    for users in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_triton_gemm=true"):
+        monkeypatch.setenv("XLA_FLAGS", users)
+        monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
+        set_default_xla_flags()
+        assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False) == {}
