@@ -67,8 +67,7 @@ def engine_compiler_options(exact: bool) -> dict[str, bool]:
     """`ENGINE_COMPILER_OPTIONS`, unless the user's own XLA_FLAGS set Triton GEMMs or the engine's passes
     must give the learner's bits (`exact`: the same kernels on both sides)."""
     added = os.environ.get(_ADDED_FLAGS_ENV, "").split()
-    names = {name.split("=")[0] for name in ENGINE_COMPILER_OPTIONS}
-    user_set = any(flag.split("=")[0].lstrip("-") in names and flag not in added for flag in os.environ.get("XLA_FLAGS", "").split())
+    user_set = any(flag.split("=")[0].lstrip("-") in ENGINE_COMPILER_OPTIONS and flag not in added for flag in os.environ.get("XLA_FLAGS", "").split())
     return {} if exact or user_set else dict(ENGINE_COMPILER_OPTIONS)
 
 
