@@ -179,11 +179,11 @@ def mend_entries_without_access_time(path: Path) -> int:
     mended = 0
     try:
         with filelock.FileLock(path / ".lockfile", timeout=10):  # JAX's own lock on the directory
-            for entry in path.glob("*-cache"):
-                access_time = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
-                if not access_time.exists():
-                    access_time.write_bytes(bytes(8))
-                    mended += 1
+            names = os.listdir(path)  # one listing, not a lookup per entry
+            keys = {name.removesuffix("-cache") for name in names if name.endswith("-cache")}
+            for key in keys - {name.removesuffix("-atime") for name in names if name.endswith("-atime")}:
+                (path / f"{key}-atime").write_bytes(bytes(8))
+                mended += 1
     except (filelock.Timeout, OSError) as e:
         logger.warning("compilation cache: could not check %s for broken entries (%s)", path, e)
     if mended:
