@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -31,6 +32,7 @@ from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_chunk, prefill_insert, score_prompt
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
+from marin_rl.engine._programs import ProgramStore
 from marin_rl.engine._request import GenerationJob, PromptScores, Sample
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ServingWeights, check_same_architecture, jit_on_leaves, serving_weights, weight_leaves
@@ -192,10 +194,16 @@ class EngineCore:
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
         options = engine_compiler_options(exact=config.exact_layout is not None)
+        store = ProgramStore.beside_compilation_cache()
+        model_parts = repr(eqx.partition(self._weights, eqx.is_array)[1])
 
         def compile_call(call):
             key, fn, dynamic, static = call
-            return key, fn.lower(self._leaves, self._cache, self._state, *dynamic, *static).compile(compiler_options=options)
+            args = (self._leaves, self._cache, self._state, *dynamic)
+            if store is None:
+                return key, fn.lower(*args, *static).compile(compiler_options=options)
+            name = key[0]
+            return key, store.compile(name, fn, args, static, donate_argnums=(1, 2), context=model_parts, compiler_options=options)
 
         # XLA compiles without the interpreter lock: the shapes compile side by side. All cores but four,
         # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12
@@ -204,7 +212,8 @@ class EngineCore:
         # own first call of a shape traced it again and loaded it from the cache again (0.5 s a shape).
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), (os.cpu_count() or 1) - 4))) as pool:
             self._executables.update(pool.map(compile_call, calls))
-        logger.info("engine: compiled %d shapes in %.1fs", len(calls), time.perf_counter() - start)
+        loaded = f" ({store.loaded} loaded lowered from {store.directory})" if store and store.loaded else ""
+        logger.info("engine: compiled %d shapes in %.1fs%s", len(calls), time.perf_counter() - start, loaded)
 
     def _call(self, key: tuple, fn, dynamic: tuple, static: tuple):
         """`fn(weights, cache, state, *dynamic, *static)`, through its executable compiled at start if any."""

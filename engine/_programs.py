@@ -1,0 +1,165 @@
+"""The engine's programs kept lowered on disk (`jax.export`), so that a warm start neither traces nor
+lowers them.
+
+JAX's persistent cache holds compiled programs, but JAX traces and lowers each program again to find
+its key. For the engine's precompiled shapes that was most of a warm start's compile: 8.4 s of the 0.5B
+loop's on the H200 host, 17 programs of 24 unrolled layers tracing and lowering one after the other
+(the interpreter lock). An exported program is StableHLO in a flatbuffer (no pickle): loading one and
+lowering the call to it takes milliseconds, and its compiled form is then a cache hit.
+
+Entries are keyed by everything that shapes a program: its name and static arguments, the shapes and
+dtypes of its arguments, the model's non-array parts, the platform, JAX's numerics settings and the
+code (the sources of every loaded `marin_rl` module, the versions of JAX, Equinox, Haliax and Levanter).
+An entry that cannot be read is lowered again and rewritten.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import logging
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+from jax import export
+
+logger = logging.getLogger(__name__)
+
+MAX_ENTRIES = 2000
+"""Entries kept; past it the least recently written go (a code change keys every program anew)."""
+
+_LIBRARIES = ("jax", "jaxlib", "equinox", "haliax", "levanter")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """The library versions and the sources of the loaded `marin_rl` modules (the engine's are loaded)."""
+    digest = hashlib.sha256()
+    for name in _LIBRARIES:
+        try:
+            digest.update(f"{name}={importlib.metadata.version(name)};".encode())
+        except importlib.metadata.PackageNotFoundError:
+            digest.update(f"{name}=?;".encode())
+    for name in sorted(n for n in sys.modules if n == "marin_rl" or n.startswith("marin_rl.")):
+        path = getattr(sys.modules[name], "__file__", None)
+        if path and path.endswith(".py"):
+            digest.update(name.encode() + Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+class ProgramStore:
+    """Exported programs in `directory`, written atomically: concurrent runs may share it."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.loaded = 0
+        """Programs this store compiled from a stored entry (no tracing, no lowering)."""
+        self._lock = threading.Lock()  # programs compile on several threads
+
+    @classmethod
+    def beside_compilation_cache(cls) -> ProgramStore | None:
+        """A store inside JAX's persistent cache directory; None when that cache is off."""
+        cache = jax.config.jax_compilation_cache_dir
+        return cls(Path(cache) / "marin-rl-exported") if cache else None
+
+    def compile(
+        self,
+        name: str,
+        fn: Callable,
+        args: Sequence,
+        static: Sequence,
+        *,
+        donate_argnums: Sequence[int],
+        context: str,
+        compiler_options: dict,
+    ) -> Callable:
+        """`fn(*args, *static)` compiled, as a function of `args`. `fn` returns the new values of its
+        donated arguments first (same structures), then arrays. `context`: what shapes the program that
+        neither `args` nor `static` shows (the model's non-array parts)."""
+        leaves, in_tree = jax.tree.flatten(tuple(args))
+        path = self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
+        exported = self._load(path)
+        if exported is None:
+            exported = _export(fn, in_tree, static, leaves)
+            self._save(path, exported.serialize())
+            exported = export.deserialize(exported.serialize())  # as a warm start will: one compiled program for both
+        else:
+            with self._lock:
+                self.loaded += 1
+        donated_trees = [args[i] for i in donate_argnums]
+        first_leaf = [0]
+        for arg in args:
+            first_leaf.append(first_leaf[-1] + len(jax.tree.leaves(arg)))
+        donated = [j for i in donate_argnums for j in range(first_leaf[i], first_leaf[i + 1])]
+        compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=compiler_options)
+        extra = len(exported.out_avals) - sum(len(jax.tree.leaves(t)) for t in donated_trees)
+        out_tree = jax.tree.structure((*donated_trees, *[0] * extra))
+
+        def run(*call_args):
+            call_leaves, call_tree = jax.tree.flatten(call_args)
+            if call_tree != in_tree:
+                raise ValueError(f"{name}: called with arguments of structure {call_tree}, compiled for {in_tree}")
+            return jax.tree.unflatten(out_tree, compiled(*call_leaves))
+
+        return run
+
+    def _key(self, name: str, leaves, in_tree, static, context: str) -> str:
+        config = jax.config
+        parts = [
+            name,
+            code_fingerprint(),
+            str(in_tree),
+            repr([(getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves]),
+            repr(tuple(static)),
+            context,
+            jax.default_backend(),
+            jax.devices()[0].device_kind,
+            f"x64={config.jax_enable_x64};precision={config.jax_default_matmul_precision};prng={config.jax_default_prng_impl}",
+        ]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+    def _load(self, path: Path):
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("exported programs: cannot read %s (%s); lowering it again", path, e)
+            return None
+        try:
+            return export.deserialize(bytearray(blob))
+        except Exception as e:  # a truncated or foreign file: lower again, and the write replaces it
+            logger.warning("exported programs: %s is unreadable (%s); lowering it again", path.name, e)
+            return None
+
+    def _save(self, path: Path, blob: bytearray) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
+                f.write(blob)
+            os.replace(f.name, path)
+            self._evict()
+        except OSError as e:  # a full or read-only disk: the run goes on, a later start lowers again
+            logger.warning("exported programs: cannot write %s (%s)", path, e)
+
+    def _evict(self) -> None:
+        entries = sorted(self.directory.glob("*.exported"), key=lambda p: p.stat().st_mtime)
+        for stale in entries[: max(0, len(entries) - MAX_ENTRIES)]:
+            stale.unlink(missing_ok=True)
+
+
+def _export(fn: Callable, in_tree, static: Sequence, leaves: list):
+    """`fn` exported as a function of flat arrays (no custom pytree in its calling convention)."""
+
+    def flat(*flat_args):
+        return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, flat_args), *static))
+
+    # The engine's kernels (Pallas, cuDNN) are custom calls without cross-version guarantees; the key
+    # holds the versions, so an entry only ever meets the JAX that wrote it.
+    return export.export(jax.jit(flat), disabled_checks=[export.DisabledSafetyCheck.custom_call("ALL")])(*leaves)
