@@ -173,7 +173,12 @@ def http_run(server, jobs, concurrency: int, client_processes: int = 0, client: 
                 )
                 for _ in range(client_processes)
             ]
-            answers = [client.communicate(json.dumps(requests[i::client_processes]))[0] for i, client in enumerate(clients)]
+            for i, client in enumerate(clients):  # every client gets its requests before any is waited for
+                client.stdin.write(json.dumps(requests[i::client_processes]))
+                client.stdin.close()
+            answers = [client.stdout.read() for client in clients]
+            for client in clients:
+                client.wait()
             if any(client.returncode for client in clients):
                 raise RuntimeError(f"a client process failed: exit codes {[client.returncode for client in clients]}")
             results = [json.loads(answer.strip().splitlines()[-1]) for answer in answers]
