@@ -86,9 +86,9 @@ class ProgramStore:
         path = self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
         exported = self._load(path)
         if exported is None:
-            exported = _export(fn, in_tree, static, leaves)
-            self._save(path, exported.serialize())
-            exported = export.deserialize(exported.serialize())  # as a warm start will: one compiled program for both
+            blob = _export(fn, in_tree, static, leaves).serialize()
+            self._save(path, blob)
+            exported = export.deserialize(blob)  # as a warm start will: one compiled program for both
         else:
             with self._lock:
                 self.loaded += 1
