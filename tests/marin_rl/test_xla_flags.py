@@ -2,7 +2,23 @@
 
 import os
 
-from marin_rl.compiles import DEFAULT_XLA_FLAGS, ENGINE_COMPILER_OPTIONS, GPU_MEMORY_FRACTION, engine_compiler_options, set_default_xla_flags
+import pytest
+
+from marin_rl import compiles
+from marin_rl.compiles import (
+    CPU_ONLY_XLA_FLAGS,
+    DEFAULT_XLA_FLAGS,
+    ENGINE_COMPILER_OPTIONS,
+    GPU_MEMORY_FRACTION,
+    engine_compiler_options,
+    set_default_xla_flags,
+)
+
+
+@pytest.fixture(autouse=True)
+def an_accelerator_installed(monkeypatch):
+    """As on the GPU machines, unless a test says otherwise (this VM has only its CPU)."""
+    monkeypatch.setattr(compiles, "only_cpu_available", lambda: False)
 
 
 def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkeypatch):
@@ -37,3 +53,26 @@ def test_the_engine_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_p
         monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
         set_default_xla_flags()
         assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False) == {}
+
+
+def test_where_only_the_cpu_is_there_xla_compiles_at_level_1_unless_the_user_set_a_level(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
+    set_default_xla_flags()
+    assert not any("optimization_level" in flag for flag in os.environ["XLA_FLAGS"].split())  # a GPU's kernels keep XLA's level
+
+    monkeypatch.setattr(compiles, "only_cpu_available", lambda: True)
+    monkeypatch.delenv("XLA_FLAGS")
+    set_default_xla_flags()
+    set_default_xla_flags()  # again, as a child process does: added once
+    assert os.environ["XLA_FLAGS"].split() == [*DEFAULT_XLA_FLAGS, *CPU_ONLY_XLA_FLAGS] == [*DEFAULT_XLA_FLAGS, "--xla_backend_optimization_level=1"]
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+    set_default_xla_flags()
+    assert "--xla_backend_optimization_level=3" in os.environ["XLA_FLAGS"] and "optimization_level=1" not in os.environ["XLA_FLAGS"]
+
+
+def test_jax_platforms_cpu_means_only_the_cpu(monkeypatch):
+    monkeypatch.undo()  # the real check
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert compiles.only_cpu_available()
