@@ -47,8 +47,9 @@ leaves 20 GB of an 80 GB card unused, and the colocated 8B LoRA loop peaks at 60
 
 
 def set_default_xla_flags() -> None:
-    """Add `DEFAULT_XLA_FLAGS` (and `CPU_ONLY_XLA_FLAGS` where only the CPU is there) to `XLA_FLAGS` and set `GPU_MEMORY_FRACTION`, both read when JAX starts its
-    backend (so: before the first computation). What the user set already is left as they set it."""
+    """Add `DEFAULT_XLA_FLAGS` (and `CPU_ONLY_XLA_FLAGS` where only the CPU is there) to `XLA_FLAGS` and set
+    `GPU_MEMORY_FRACTION`, both read when JAX starts its backend (so: before the first computation). What
+    the user set already is left as they set it."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
     flags = os.environ.get("XLA_FLAGS", "")
     added = os.environ.get(_ADDED_FLAGS_ENV, "").split()
