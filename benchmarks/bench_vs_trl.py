@@ -50,6 +50,10 @@ def time_to_target(rewards: list[float], step_seconds: list[float], target: floa
     return None, None
 
 
+def reached_target(rewards: list[float], target: float) -> bool:
+    return len(rewards) >= WINDOW and statistics.mean(rewards[-WINDOW:]) >= target
+
+
 def summary(
     name: str, rewards: list[float], step_seconds: list[float], step_ends: list[float], generated: list[float], trained: list[float], peak_gib, args
 ) -> dict:
@@ -87,6 +91,7 @@ def run_marin(args, checkpoint: str | None) -> dict:
 
     from marin_rl.config import load_config
     from marin_rl.orchestrator import train
+    from marin_rl.testing import train_until
 
     hidden, mlp, layers, heads, kv = SIZES[args.size]
     row = 64 if args.size == "tiny" else 512
@@ -122,7 +127,11 @@ def run_marin(args, checkpoint: str | None) -> dict:
         # step's rollouts are scored and stored (TRL generates a step's groups in one call). On 2 CPU
         # cores the quickstart's 8 workers are faster (0.143 against 0.154 s per step with 20).
         overrides += ["--model.attn_backend=cudnn", "--server.compute_dtype=bfloat16", f"--envs.addition.replicas={2 * args.prompts}"]
-    train(load_config(str(Path(__file__).parent.parent / "configs" / "quickstart.yaml"), overrides))
+    config = load_config(str(Path(__file__).parent.parent / "configs" / "quickstart.yaml"), overrides)
+    if args.stop_at_target:
+        train_until(config, lambda records: reached_target([r["batches/addition/reward_mean"] for r in records], args.target))
+    else:
+        train(config)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
@@ -220,9 +229,11 @@ def run_trl(args, checkpoint: str | None) -> dict:
         def on_step_end(self, *_, **__):
             log.append({"seconds": time.perf_counter() - self.start, "end": time.time()})
 
-        def on_log(self, _args, _state, _control, logs=None, **__):
+        def on_log(self, _args, _state, control, logs=None, **__):
             if logs and "reward" in logs and log:
                 log[-1].update(reward=logs["reward"], completion_length=logs.get("completions/mean_length", args.max_tokens))
+                if args.stop_at_target and reached_target([e.get("reward", 0.0) for e in log], args.target):
+                    control.should_training_stop = True
 
     completions = args.prompts * args.group_size
     grpo = GRPOConfig(
@@ -321,6 +332,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--target", type=float, default=0.8, help="mean reward over 5 steps to reach")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-at-target", action="store_true", help="each side stops once its mean reward reached --target")
     parser.add_argument(
         "--gradient-checkpointing",
         choices=["on", "off"],
