@@ -202,8 +202,7 @@ class EngineCore:
             args = (self._leaves, self._cache, self._state, *dynamic)
             if store is None:
                 return key, fn.lower(*args, *static).compile(compiler_options=options)
-            name = key[0]
-            return key, store.compile(name, fn, args, static, donate_argnums=(1, 2), context=model_parts, compiler_options=options)
+            return key, store.compile(key[0], fn, args, static, donate_argnums=(1, 2), context=model_parts, compiler_options=options)
 
         # XLA compiles without the interpreter lock: the shapes compile side by side. All cores but four,
         # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12
