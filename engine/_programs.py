@@ -61,6 +61,7 @@ class ProgramStore:
         self.loaded = 0
         """Programs this store compiled from a stored entry (no tracing, no lowering)."""
         self._lock = threading.Lock()  # programs compile on several threads
+        self._evicted = False  # once per store: a directory scan per written program is start-up time
 
     @classmethod
     def beside_compilation_cache(cls) -> ProgramStore | None:
@@ -92,14 +93,11 @@ class ProgramStore:
         else:
             with self._lock:
                 self.loaded += 1
-        donated_trees = [args[i] for i in donate_argnums]
-        first_leaf = [0]
-        for arg in args:
-            first_leaf.append(first_leaf[-1] + len(jax.tree.leaves(arg)))
-        donated = [j for i in donate_argnums for j in range(first_leaf[i], first_leaf[i + 1])]
+        counts = [len(jax.tree.leaves(arg)) for arg in args]
+        donated = [j for i in donate_argnums for j in range(sum(counts[:i]), sum(counts[: i + 1]))]
         compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=compiler_options)
-        extra = len(exported.out_avals) - sum(len(jax.tree.leaves(t)) for t in donated_trees)
-        out_tree = jax.tree.structure((*donated_trees, *[0] * extra))
+        extra = len(exported.out_avals) - len(donated)
+        out_tree = jax.tree.structure((*(args[i] for i in donate_argnums), *[0] * extra))
 
         def run(*call_args):
             call_leaves, call_tree = jax.tree.flatten(call_args)
@@ -144,7 +142,10 @@ class ProgramStore:
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".tmp", delete=False) as f:
                 f.write(blob)
             os.replace(f.name, path)
-            self._evict()
+            with self._lock:
+                evict, self._evicted = not self._evicted, True
+            if evict:
+                self._evict()
         except OSError as e:  # a full or read-only disk: the run goes on, a later start lowers again
             logger.warning("exported programs: cannot write %s (%s)", path, e)
 

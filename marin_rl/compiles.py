@@ -29,8 +29,8 @@ CPU_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
 """Added where JAX can only run on the CPU (no GPU or TPU plugin installed). LLVM at level 1, not XLA's
 default: the quickstart's cold start-up on the 2-core VM went from 30.8-31.2 to 27.9-29.9 s (compile
 19.5 -> 16.3-17.4 s; 62-79 -> 47-60 s under load) at the same step time and reward curve. Level 0
-compiled faster still (12.3 s) but made the learner's step 2x slower. On a GPU the flag would also lower the
-optimisation of the generated kernels, so it is left alone there."""
+compiled faster still (12.3 s) but made the learner's step 2x slower. On a GPU the flag would also
+lower the optimisation of the generated kernels, so it is left alone there."""
 
 _ADDED_FLAGS_ENV = "MARIN_RL_ADDED_XLA_FLAGS"
 """The flags `set_default_xla_flags` added to XLA_FLAGS (inherited with them by child processes), so that
