@@ -30,6 +30,7 @@ from marin_rl.learner._mesh import LearnerMesh
 from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
 from marin_rl.learner._optim import build_optimizer
 from marin_rl.learner._step import loss_and_gradients
+from marin_rl.programs import ProgramStore
 from marin_rl.rl_example import POS_AXIS, RlExample
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Learner:
         # The KL reference is the initial policy, frozen, kept in the compute dtype.
         self._reference = cast_floating(self.model, self._dtype) if config.loss.beta > 0 else None
         self.policy_version = 0
+        self._stored_step: _StoredStep | None = None
         # With LoRA: which base the adapters belong to, saved with each checkpoint. Made here, where its
         # compilation is start-up's, not a checkpoint step's.
         self._base = {"hf_checkpoint": model_config.hf_checkpoint, "fingerprint": base_fingerprint(self.model)} if config.lora.rank else None
@@ -119,7 +121,9 @@ class Learner:
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
         inputs = self._step_inputs(example, step_key)
-        self.model, self._opt_state, device_metrics, logprobs = _train_step(inputs, self._opt_state)
+        stored = self._stored_step
+        train_step = stored if stored is not None and stored.fits(inputs, self._opt_state) else _train_step
+        self.model, self._opt_state, device_metrics, logprobs = train_step(inputs, self._opt_state)
         device_metrics, self.last_logprobs = jax.device_get((device_metrics, logprobs))
         metrics = {name: float(value) for name, value in device_metrics.items()}
         elapsed = time.perf_counter() - start
@@ -133,9 +137,15 @@ class Learner:
 
     def compile_step(self, example: RlExample) -> float:
         """Compile the step for examples shaped like `example` without running it (the first step then
-        starts at once); returns the seconds it took."""
+        starts at once); returns the seconds it took. On one device, with the compilation cache on, the
+        program is kept lowered on disk (`ProgramStore`): a warm start neither traces nor lowers it."""
         start = time.perf_counter()
-        _train_step.lower(self._step_inputs(example, self._key), self._opt_state).compile()
+        inputs = self._step_inputs(example, self._key)
+        store = ProgramStore.beside_compilation_cache() if self.mesh is None else None
+        if store is None:
+            _train_step.lower(inputs, self._opt_state).compile()
+        else:
+            self._stored_step = _StoredStep(store, inputs, self._opt_state)
         return time.perf_counter() - start
 
     def _step_inputs(self, example: RlExample, step_key):
@@ -266,8 +276,7 @@ class Learner:
 
 # Module level, with the configs as static arguments, so learners with equal configs share compilations.
 # The optimizer state (second argument) is donated: only the learner holds it. The model is not.
-@eqx.filter_jit(donate="all-except-first")
-def _train_step(inputs, opt_state):
+def _train_step_body(inputs, opt_state):
     """Loss and gradients over microbatches, then the optimizer update."""
     config, dtype, model, example, reference, key, step, mesh, exact = inputs
     loss, grads, metrics, logprobs = loss_and_gradients(
@@ -280,6 +289,54 @@ def _train_step(inputs, opt_state):
         model, opt_state = mesh.place_params((model, opt_state))
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(step)}
     return model, opt_state, metrics, logprobs
+
+
+_train_step = eqx.filter_jit(donate="all-except-first")(_train_step_body)
+
+_MODEL = 2
+"""The model's place in the step's inputs (`Learner._step_inputs`)."""
+
+
+class _StoredStep:
+    """`_train_step` for inputs of one structure and shape, compiled through a `ProgramStore`. Its
+    arguments are the arrays: the model's (returned updated, not donated), the optimizer state's
+    (donated) and the rest; the non-array parts key the stored program."""
+
+    def __init__(self, store: ProgramStore, inputs, opt_state):
+        args, static = self._split(inputs, opt_state)
+        self._signature = _signature(args)
+        self._run = store.compile(
+            "learner_step", _stored_step_body, args, (static,), donate_argnums=(1,), returns_like=(0, 1), context=repr(static)
+        )
+
+    def fits(self, inputs, opt_state) -> bool:
+        return _signature(self._split(inputs, opt_state)[0]) == self._signature
+
+    def __call__(self, inputs, opt_state):
+        args, (inputs_static, opt_static) = self._split(inputs, opt_state)
+        model_arrays, opt_arrays, metrics, logprobs = self._run(*args)
+        model = eqx.combine(model_arrays, inputs_static[_MODEL])
+        return model, eqx.combine(opt_arrays, opt_static), metrics, logprobs
+
+    @staticmethod
+    def _split(inputs, opt_state):
+        """((model arrays, optimizer state arrays, other input arrays), (non-array parts of the inputs,
+        of the optimizer state))."""
+        (inputs_arrays, opt_arrays), static = eqx.partition((inputs, opt_state), eqx.is_array)
+        others = (*inputs_arrays[:_MODEL], None, *inputs_arrays[_MODEL + 1 :])
+        return (inputs_arrays[_MODEL], opt_arrays, others), static
+
+
+def _stored_step_body(model_arrays, opt_arrays, others, static):
+    inputs_arrays = (*others[:_MODEL], model_arrays, *others[_MODEL + 1 :])
+    inputs, opt_state = eqx.combine((inputs_arrays, opt_arrays), static)
+    model, opt_state, metrics, logprobs = _train_step_body(inputs, opt_state)
+    return eqx.filter(model, eqx.is_array), eqx.filter(opt_state, eqx.is_array), metrics, logprobs
+
+
+def _signature(tree):
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, [(x.shape, x.dtype) for x in leaves]
 
 
 def _hash(record: dict) -> str:

@@ -151,3 +151,19 @@ def verifiers_envs():
         mp.syspath_prepend(path)
         mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
         yield path
+
+
+@pytest.fixture
+def program_stores(tmp_path, monkeypatch):
+    """Every `ProgramStore` asked for in the test is one in tmp_path, recorded in order (`made`); setting
+    `directory["path"]` to None gives none (the jitted programs)."""
+    from marin_rl.programs import ProgramStore
+
+    made, directory = [], {"path": tmp_path / "programs"}
+
+    def beside_compilation_cache(cls):
+        made.append(None if directory["path"] is None else ProgramStore(directory["path"]))
+        return made[-1]
+
+    monkeypatch.setattr(ProgramStore, "beside_compilation_cache", classmethod(beside_compilation_cache))
+    return made, directory

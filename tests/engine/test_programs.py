@@ -1,4 +1,4 @@
-"""The engine's programs kept lowered on disk (`engine/_programs.py`): a second start loads them instead of
+"""The engine's programs kept lowered on disk (`marin_rl/programs.py`): a second start loads them instead of
 tracing and lowering, and computes the same bits; an unreadable entry is lowered again; a model that
 differs only in a non-array part (same shapes) never gets another model's program."""
 
@@ -8,7 +8,6 @@ import jax
 import pytest
 
 from marin_rl.engine import Engine, EngineConfig, GenerationJob
-from marin_rl.engine._programs import ProgramStore
 from marin_rl.learner import ModelConfig, build_model
 
 pytestmark = pytest.mark.slow
@@ -28,19 +27,6 @@ def samples(engine) -> list:
     return [(s.token_ids, s.logprobs) for job in jobs for s in job.future.result(timeout=300).samples]
 
 
-@pytest.fixture
-def stores(tmp_path, monkeypatch):
-    """Every engine started in the test gets a store in tmp_path (None: none), recorded in order."""
-    made, directory = [], {"path": tmp_path / "programs"}
-
-    def beside_compilation_cache(cls):
-        made.append(None if directory["path"] is None else ProgramStore(directory["path"]))
-        return made[-1]
-
-    monkeypatch.setattr(ProgramStore, "beside_compilation_cache", classmethod(beside_compilation_cache))
-    return made, directory
-
-
 def start_and_sample(m) -> tuple[list, dict]:
     engine = Engine(CONFIG, m)
     try:
@@ -49,8 +35,8 @@ def start_and_sample(m) -> tuple[list, dict]:
         engine.stop()
 
 
-def test_a_second_start_loads_every_program_and_samples_the_same_bits(stores, caplog):
-    made, directory = stores
+def test_a_second_start_loads_every_program_and_samples_the_same_bits(program_stores, caplog):
+    made, directory = program_stores
     first, variants = start_and_sample(model())
     shapes = variants["prefill"] + variants["decode"]
     entries = sorted(directory["path"].glob("*.exported"))
@@ -66,7 +52,7 @@ def test_a_second_start_loads_every_program_and_samples_the_same_bits(stores, ca
     # A truncated entry (a disk that filled mid-write, say) is lowered again and rewritten.
     directory["path"] = entries[0].parent
     entries[0].write_bytes(entries[0].read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="marin_rl.engine._programs"):
+    with caplog.at_level(logging.WARNING, logger="marin_rl.programs"):
         assert start_and_sample(model())[0] == first
     assert made[3].loaded == shapes - 1
     assert any(entries[0].name in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
@@ -74,8 +60,8 @@ def test_a_second_start_loads_every_program_and_samples_the_same_bits(stores, ca
     assert made[4].loaded == shapes
 
 
-def test_a_model_differing_only_in_a_non_array_part_gets_programs_of_its_own(stores):
-    made, directory = stores
+def test_a_model_differing_only_in_a_non_array_part_gets_programs_of_its_own(program_stores):
+    made, directory = program_stores
     start_and_sample(model(rope_theta=10000.0))
     other_theta, _ = start_and_sample(model(rope_theta=500.0))
     assert made[1].loaded == 0  # same shapes and dtypes, other rotary embeddings: other keys

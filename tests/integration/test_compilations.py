@@ -37,7 +37,9 @@ def test_a_second_start_loads_every_program_from_the_compilation_cache(tmp_path)
     entries = sorted(cache.iterdir())
     assert entries
     warm = first_step("warm", str(cache))
-    assert warm["compile/cache_hits"] == warm["compile/count"] == cold["compile/count"]
+    # Fewer programs than the cold start: the stored ones are not traced again, nor the small eager
+    # computations their tracing ran (the learning-rate schedule's constants).
+    assert 0 < warm["compile/cache_hits"] == warm["compile/count"] <= cold["compile/count"]
     off = first_step("off", "off")
     assert off["compile/cache_hits"] == 0 and sorted(cache.iterdir()) == entries
     assert {"startup/imports_s", "startup/model_s", "startup/compile_s", "startup/first_batch_s"} <= set(warm)

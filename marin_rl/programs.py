@@ -1,5 +1,5 @@
-"""The engine's programs kept lowered on disk (`jax.export`), so that a warm start neither traces nor
-lowers them.
+"""Programs kept lowered on disk (`jax.export`), so that a warm start neither traces nor lowers them:
+the engine's precompiled shapes and the learner's step.
 
 JAX's persistent cache holds compiled programs, but JAX traces and lowers each program again to find
 its key. For the engine's precompiled shapes that was most of a warm start's compile: 8.4 s of the 0.5B
@@ -8,9 +8,9 @@ loop's on the H200 host, 17 programs of 24 unrolled layers tracing and lowering 
 lowering the call to it takes milliseconds, and its compiled form is then a cache hit.
 
 Entries are keyed by everything that shapes a program: its name and static arguments, the shapes and
-dtypes of its arguments, the model's non-array parts, the platform, JAX's numerics settings and the
-code (the sources of every loaded `marin_rl` module, the versions of JAX, Equinox, Haliax and Levanter).
-An entry that cannot be read is lowered again and rewritten.
+dtypes of its arguments, the caller's context (a model's non-array parts), the platform, JAX's numerics
+settings and the code (every source file of the packages a program is made of, the versions of JAX,
+Equinox, Haliax and Levanter). An entry that cannot be read is lowered again and rewritten.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
-import sys
+import re
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -34,22 +35,26 @@ logger = logging.getLogger(__name__)
 MAX_ENTRIES = 2000
 """Entries kept; past it the least recently written go (a code change keys every program anew)."""
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _LIBRARIES = ("jax", "jaxlib", "equinox", "haliax", "levanter")
+_PROGRAM_PACKAGES = ("marin_rl", "marin_rl.engine", "marin_rl.learner")
+"""Where the stored programs' code lives (the learner's step calls the engine's exact passes). Every
+source file in them is hashed, loaded or not: a module imported only while tracing counts too."""
 
 
 @functools.cache
 def code_fingerprint() -> str:
-    """The library versions and the sources of the loaded `marin_rl` modules (the engine's are loaded)."""
+    """The library versions and the sources of the packages the programs are made of."""
     digest = hashlib.sha256()
     for name in _LIBRARIES:
         try:
             digest.update(f"{name}={importlib.metadata.version(name)};".encode())
         except importlib.metadata.PackageNotFoundError:
             digest.update(f"{name}=?;".encode())
-    for name in sorted(n for n in sys.modules if n == "marin_rl" or n.startswith("marin_rl.")):
-        path = getattr(sys.modules[name], "__file__", None)
-        if path and path.endswith(".py"):
-            digest.update(name.encode() + Path(path).read_bytes())
+    for package in _PROGRAM_PACKAGES:
+        for directory in importlib.util.find_spec(package).submodule_search_locations:
+            for path in sorted(Path(directory).rglob("*.py")):
+                digest.update(f"{package}/{path.relative_to(directory)}".encode() + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -78,16 +83,20 @@ class ProgramStore:
         *,
         donate_argnums: Sequence[int],
         context: str,
-        compiler_options: dict,
+        compiler_options: dict | None = None,
+        returns_like: Sequence[int] | None = None,
     ) -> Callable:
-        """`fn(*args, *static)` compiled, as a function of `args`. `fn` returns the new values of its
-        donated arguments first (same structures), then arrays. `context`: what shapes the program that
-        neither `args` nor `static` shows (the model's non-array parts)."""
+        """`fn(*args, *static)` compiled, as a function of `args` (pytrees of arrays). `fn` returns a
+        tuple: new values shaped like `args[i]` for each i of `returns_like` (default: the donated
+        arguments), in that order, then arrays in tuples, lists and dicts (the stored program keeps their
+        structure). `context`: what shapes the program that neither `args` nor `static` shows (the
+        model's non-array parts)."""
+        like = tuple(donate_argnums if returns_like is None else returns_like)
         leaves, in_tree = jax.tree.flatten(tuple(args))
         path = self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
         exported = self._load(path)
         if exported is None:
-            blob = _export(fn, in_tree, static, leaves).serialize()
+            blob = _export(fn, in_tree, static, leaves, len(like)).serialize()
             self._save(path, blob)
             exported = export.deserialize(blob)  # as a warm start will: one compiled program for both
         else:
@@ -96,14 +105,14 @@ class ProgramStore:
         counts = [len(jax.tree.leaves(arg)) for arg in args]
         donated = [j for i in donate_argnums for j in range(sum(counts[:i]), sum(counts[: i + 1]))]
         compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=compiler_options)
-        extra = len(exported.out_avals) - len(donated)
-        out_tree = jax.tree.structure((*(args[i] for i in donate_argnums), *[0] * extra))
+        like_tree = jax.tree.structure(tuple(args[i] for i in like))
 
         def run(*call_args):
             call_leaves, call_tree = jax.tree.flatten(call_args)
             if call_tree != in_tree:
                 raise ValueError(f"{name}: called with arguments of structure {call_tree}, compiled for {in_tree}")
-            return jax.tree.unflatten(out_tree, compiled(*call_leaves))
+            like_leaves, rest = compiled(*call_leaves)
+            return (*jax.tree.unflatten(like_tree, like_leaves), *rest)
 
         return run
 
@@ -120,7 +129,10 @@ class ProgramStore:
             jax.devices()[0].device_kind,
             f"x64={config.jax_enable_x64};precision={config.jax_default_matmul_precision};prng={config.jax_default_prng_impl}",
         ]
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+        # A function held in a model (Levanter's MLP keeps its activation) shows its address: a new one each
+        # process. Keyed by its name, with the config that chose it beside it.
+        text = _ADDRESS.sub("", "\n".join(parts))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def _load(self, path: Path):
         try:
@@ -155,11 +167,13 @@ class ProgramStore:
             stale.unlink(missing_ok=True)
 
 
-def _export(fn: Callable, in_tree, static: Sequence, leaves: list):
-    """`fn` exported as a function of flat arrays (no custom pytree in its calling convention)."""
+def _export(fn: Callable, in_tree, static: Sequence, leaves: list, returns_like: int):
+    """`fn` exported as a function of flat arrays: no custom pytree in its calling convention (the
+    outputs shaped like arguments are returned flat; the caller knows their structure)."""
 
     def flat(*flat_args):
-        return jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, flat_args), *static))
+        out = fn(*jax.tree.unflatten(in_tree, flat_args), *static)
+        return jax.tree.leaves(out[:returns_like]), tuple(out[returns_like:])
 
     # The engine's kernels (Pallas, cuDNN) are custom calls without cross-version guarantees; the key
     # holds the versions, so an entry only ever meets the JAX that wrote it.
