@@ -121,8 +121,7 @@ class Learner:
         self._key, step_key = jax.random.split(self._key)
         start = time.perf_counter()
         inputs = self._step_inputs(example, step_key)
-        stored = self._stored_step
-        train_step = stored if stored is not None and stored.fits(inputs, self._opt_state) else _train_step
+        train_step = self._stored_step or _train_step
         self.model, self._opt_state, device_metrics, logprobs = train_step(inputs, self._opt_state)
         device_metrics, self.last_logprobs = jax.device_get((device_metrics, logprobs))
         metrics = {name: float(value) for name, value in device_metrics.items()}
@@ -298,9 +297,9 @@ _MODEL = 2
 
 
 class _StoredStep:
-    """`_train_step` for inputs of one structure and shape, compiled through a `ProgramStore`. Its
-    arguments are the arrays: the model's (returned updated, not donated), the optimizer state's
-    (donated) and the rest; the non-array parts key the stored program."""
+    """`_train_step` for inputs of one structure and shape, compiled through a `ProgramStore`; inputs of
+    another take `_train_step` itself. Its arguments are the arrays: the model's (returned updated, not
+    donated), the optimizer state's (donated) and the rest; the non-array parts key the stored program."""
 
     def __init__(self, store: ProgramStore, inputs, opt_state):
         args, static = self._split(inputs, opt_state)
@@ -309,11 +308,10 @@ class _StoredStep:
             "learner_step", _stored_step_body, args, (static,), donate_argnums=(1,), returns_like=(0, 1), context=repr(static)
         )
 
-    def fits(self, inputs, opt_state) -> bool:
-        return _signature(self._split(inputs, opt_state)[0]) == self._signature
-
     def __call__(self, inputs, opt_state):
         args, (inputs_static, opt_static) = self._split(inputs, opt_state)
+        if _signature(args) != self._signature:
+            return _train_step(inputs, opt_state)
         model_arrays, opt_arrays, metrics, logprobs = self._run(*args)
         model = eqx.combine(model_arrays, inputs_static[_MODEL])
         return model, eqx.combine(opt_arrays, opt_static), metrics, logprobs
