@@ -305,7 +305,7 @@ class _StoredStep:
         args, static = self._split(inputs, opt_state)
         self._signature = _signature(args)
         self._run = store.compile(
-            "learner_step", _stored_step_body, args, (static,), donate_argnums=(1,), returns_like=(0, 1), context=repr(static)
+            "learner_step", _stored_step_body, args, (static,), donate_argnums=(1,), returns_like=(0, 1), context=""
         )
 
     def __call__(self, inputs, opt_state):
