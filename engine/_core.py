@@ -32,10 +32,10 @@ from marin_rl.engine._device_lock import DeviceLock
 from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_chunk, prefill_insert, score_prompt
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
-from marin_rl.programs import ProgramStore
 from marin_rl.engine._request import GenerationJob, PromptScores, Sample
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ServingWeights, check_same_architecture, jit_on_leaves, serving_weights, weight_leaves
+from marin_rl.programs import ProgramStore
 
 logger = logging.getLogger(__name__)
 
