@@ -35,8 +35,11 @@ def test_a_second_start_loads_every_program_from_the_compilation_cache(tmp_path)
     cold = first_step("cold", str(cache))
     assert cold["compile/count"] > 0 and cold["compile/cache_hits"] < cold["compile/count"]
     entries = sorted(cache.iterdir())
-    assert entries
+    exported = sorted((cache / "marin-rl-exported").iterdir())
+    assert any(p.name.startswith("learner_step-") for p in exported)
     warm = first_step("warm", str(cache))
+    # Another process found every stored program under its key: none was lowered and written anew.
+    assert sorted((cache / "marin-rl-exported").iterdir()) == exported
     # Fewer programs than the cold start: the stored ones are not traced again, nor the small eager
     # computations their tracing ran (the learning-rate schedule's constants).
     assert 0 < warm["compile/cache_hits"] == warm["compile/count"] <= cold["compile/count"]
