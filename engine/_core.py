@@ -193,16 +193,22 @@ class EngineCore:
                 static = (self.kernels, config.decode_steps, slots_used, truncate)
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
-        options = engine_compiler_options(exact=config.exact_layout is not None)
         store = ProgramStore.beside_compilation_cache()
         model_parts = repr(eqx.partition(self._weights, eqx.is_array)[1])
+        seconds: dict[tuple, float] = {}
 
         def compile_call(call):
             key, fn, dynamic, static = call
+            started = time.perf_counter()
+            options = engine_compiler_options(exact=config.exact_layout is not None, call=key[0])
             args = (self._leaves, self._cache, self._state, *dynamic)
             if store is None:
-                return key, fn.lower(*args, *static).compile(compiler_options=options)
-            return key, store.compile(key[0], fn, args, static, donate_argnums=(1, 2), context=model_parts, compiler_options=options)
+                executable = fn.lower(*args, *static).compile(compiler_options=options)
+            else:
+                executable = store.compile(key[0], fn, args, static, donate_argnums=(1, 2), context=model_parts, compiler_options=options)
+            seconds[key] = time.perf_counter() - started
+            logger.debug("engine: %s compiled in %.1fs", key, seconds[key])
+            return key, executable
 
         # XLA compiles without the interpreter lock: the shapes compile side by side. All cores but four,
         # which the learner's compile beside it and the interpreter keep: on the H100 host (16 cores) 12
@@ -212,7 +218,9 @@ class EngineCore:
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), (os.cpu_count() or 1) - 4))) as pool:
             self._executables.update(pool.map(compile_call, calls))
         loaded = f" ({store.loaded} loaded lowered from {store.directory})" if store and store.loaded else ""
-        logger.info("engine: compiled %d shapes in %.1fs%s", len(calls), time.perf_counter() - start, loaded)
+        slowest = max(seconds, key=seconds.get, default=None)
+        slowest_text = f"; slowest {slowest}: {seconds[slowest]:.1f}s" if slowest else ""
+        logger.info("engine: compiled %d shapes in %.1fs%s%s", len(calls), time.perf_counter() - start, loaded, slowest_text)
 
     def _call(self, key: tuple, fn, dynamic: tuple, static: tuple):
         """`fn(weights, cache, state, *dynamic, *static)`, through its executable compiled at start if any."""

@@ -23,7 +23,7 @@ on a GPU are tens of MB each)."""
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 """XLA options of every run. Triton GEMM fusions off: while compiling, XLA:GPU autotunes dozens of Triton
 kernels for each matmul of each program, and cuBLAS runs the learner's as fast (docs/performance.md).
-The engine's executables turn them back on (`engine_compiler_options`)."""
+The engine's decode executables turn them back on (`engine_compiler_options`)."""
 
 CPU_ONLY_XLA_FLAGS = ("--xla_backend_optimization_level=1",)
 """Added where JAX can only run on the CPU (no GPU or TPU plugin installed). LLVM at level 1, not XLA's
@@ -37,9 +37,10 @@ _ADDED_FLAGS_ENV = "MARIN_RL_ADDED_XLA_FLAGS"
 what the user set can be told from them."""
 
 ENGINE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": True}
-"""The engine's executables compiled at start keep Triton GEMM fusions (XLA's default). On an H200 they
-decode 17% faster for 1B and 7% for 0.5B (50,429 against 43,150 tok/s); their autotuning costs 10-16 s of
-a cold start, none of a warm one (the cache keeps the tuned programs)."""
+"""The engine's decode executables compiled at start keep Triton GEMM fusions (XLA's default). On an H200 they
+decode 17% faster for 1B and 7% for 0.5B (50,429 against 43,150 tok/s). Prefill does without them: its
+matmuls have a row per prompt token, where cuBLAS does well, and their autotuning made the 1B engine's cold
+compile 26.6-28.4 s instead of 19.3 s (one prompt's prefill 3.4-3.6 ms against 4.0 ms without them)."""
 
 
 GPU_MEMORY_FRACTION = "0.95"
@@ -80,12 +81,12 @@ def prepare_process() -> None:
     transformers_without_torch()
 
 
-def engine_compiler_options(exact: bool) -> dict[str, bool]:
-    """`ENGINE_COMPILER_OPTIONS`, unless the user's own XLA_FLAGS set Triton GEMMs or the engine's passes
-    must give the learner's bits (`exact`: the same kernels on both sides)."""
+def engine_compiler_options(exact: bool, call: str) -> dict[str, bool]:
+    """`ENGINE_COMPILER_OPTIONS` for the engine's decode `call`, unless the user's own XLA_FLAGS set Triton
+    GEMMs or the engine's passes must give the learner's bits (`exact`: the same kernels on both sides)."""
     added = os.environ.get(_ADDED_FLAGS_ENV, "").split()
     user_set = any(flag.split("=")[0].lstrip("-") in ENGINE_COMPILER_OPTIONS and flag not in added for flag in os.environ.get("XLA_FLAGS", "").split())
-    return {} if exact or user_set else dict(ENGINE_COMPILER_OPTIONS)
+    return {} if exact or user_set or call != "decode" else dict(ENGINE_COMPILER_OPTIONS)
 
 
 class CompileCounter:

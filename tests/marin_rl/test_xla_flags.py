@@ -38,21 +38,22 @@ def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkey
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/dump"
 
 
-def test_the_engine_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_passes_are_exact(monkeypatch):
+def test_the_engines_decode_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_passes_are_exact(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")  # restored (absent) after the test
     set_default_xla_flags()
     assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"].split()  # the learner's programs
-    assert engine_compiler_options(exact=False) == ENGINE_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": True}
-    assert engine_compiler_options(exact=True) == {}  # the learner's kernels, for the learner's bits
+    assert engine_compiler_options(exact=False, call="decode") == ENGINE_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": True}
+    assert engine_compiler_options(exact=False, call="prefill") == {}  # cuBLAS: no Triton autotuning at start
+    assert engine_compiler_options(exact=True, call="decode") == {}  # the learner's kernels, for the learner's bits
     set_default_xla_flags()  # again, as a child process that inherited both variables does
-    assert engine_compiler_options(exact=False) == ENGINE_COMPILER_OPTIONS
+    assert engine_compiler_options(exact=False, call="decode") == ENGINE_COMPILER_OPTIONS
 
     for users in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_triton_gemm=true"):
         monkeypatch.setenv("XLA_FLAGS", users)
         monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
         set_default_xla_flags()
-        assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False) == {}
+        assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False, call="decode") == {}
 
 
 def test_where_only_the_cpu_is_there_xla_compiles_at_level_1_unless_the_user_set_a_level(monkeypatch):
