@@ -42,6 +42,10 @@ class EngineConfig:
     max_prefill_tokens: int | None = None
     """Prompt tokens (padded) prefilled in one device call; None means `max(max_seq_len, 4096)`.
     Larger values admit more new prompts at once."""
+    max_prefill_rows: int | None = None
+    """Prompts prefilled in one device call at most (None: as many as `max_prefill_tokens` and the free
+    slots allow). Prompts beyond it wait for the next prefill call. `marin-rl train` sets it to the
+    prompts its env workers can have in flight, so that start-up compiles no prefill shape the run cannot use."""
     precompile_prompt_lens: tuple[int, ...] = ()
     """At start, compile prefill for every number of prompts of these lengths (their power-of-two
     buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request
@@ -82,6 +86,8 @@ class EngineConfig:
         for name in ("max_seqs", "max_seq_len", "page_size", "decode_steps", "max_stop_sequences", "max_stop_tokens", "exact_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_rows is not None and self.max_prefill_rows < 1:
+            raise ValueError(f"{type(self).__name__}.max_prefill_rows must be >= 1 or None, got {self.max_prefill_rows}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:
             raise ValueError(
                 f"{type(self).__name__}.max_prefill_tokens must be >= max_seq_len ({self.max_seq_len}) so that "
@@ -112,6 +118,11 @@ class EngineConfig:
     def exact_layout(self) -> ExactLayout | None:
         """The exact passes' shapes (None unless `exact_numerics`): windows of a whole max_seq_len in pages."""
         return ExactLayout(self.exact_tile, self.pages_per_seq * self.page_size) if self.exact_numerics else None
+
+    @property
+    def prefill_rows(self) -> int:
+        """The most prompts one prefill call can hold."""
+        return min(self.max_seqs, self.max_prefill_rows or self.max_seqs)
 
     @property
     def prefill_tokens(self) -> int:

@@ -185,7 +185,7 @@ class EngineCore:
         for truncate in (False, True) if config.precompile_truncated else (False,):
             for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
                 rows = 1
-                while rows <= rows_bucket(config.max_seqs) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
+                while rows <= rows_bucket(config.prefill_rows) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
                     batch = PrefillBatch(**self.scheduler.empty_batch(rows, time_bucket))
                     calls.append((("prefill", rows, time_bucket, truncate), self._prefill, (batch,), (self.kernels, truncate)))
                     rows *= 4

@@ -212,7 +212,7 @@ class Scheduler:
             if job.n > len(free_slots) - sum(j.n for j in chosen) or shared + job.n * own > free_pages:
                 break
             rows, time = rows_bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
-            if chosen and rows * time > config.prefill_tokens:
+            if chosen and (rows * time > config.prefill_tokens or len(chosen) == config.prefill_rows):
                 break
             self.queue.remove(job)
             slots_held[_request_of(job)] += job.n

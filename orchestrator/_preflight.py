@@ -226,12 +226,28 @@ def _measure_prompts(env, key: str, settings, config: TrainConfig) -> PromptLeng
     )
 
 
-def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int) -> dict[str, Any]:
+def prompts_in_flight(config: TrainConfig, envs: Mapping[str, Any], prompts: Mapping[str, PromptLengths]) -> int | None:
+    """The most prompts the run's env workers can have at a server at once: each worker samples one group
+    at a time, in one request of `group_size` samples where the env samples one turn as `Env` does, else
+    up to a request per rollout. None where held-out evaluation runs (it sends every eval problem at once)."""
+    from marin_rl.envs import Env
+
+    if config.eval_every is not None and any(env_config.eval is not None for env_config in config.envs):
+        return None
+    total = 0
+    for env_config in config.envs:
+        one_request = prompts[env_config.name].max_turns == 1 and type(envs[env_config.name]).sample_rollouts is Env.sample_rollouts
+        total += env_config.replicas * (1 if one_request else env_config.group_size)
+    return total
+
+
+def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int, in_flight: int | None = None) -> dict[str, Any]:
     """What an embedded engine compiles at start so that no step waits on a compilation (the
     `EngineConfig.precompile_*` fields): prefill for prompts from the shortest measured to twice the
     longest (problems not measured may be longer), and up to `max_seq_len` for multi-turn envs (a later
-    turn's prompt holds the conversation so far); decode where an env asks for more than one token;
-    top-p's variants where an env samples with it."""
+    turn's prompt holds the conversation so far), for up to `in_flight` prompts at once (`prompts_in_flight`;
+    a prefill call takes no more); decode where an env asks for more than one token; top-p's variants
+    where an env samples with it."""
     lens = set()
     for p in prompts.values():
         longest = max_seq_len - 1 if p.max_turns > 1 else min(2 * p.longest, max_seq_len - 1)
@@ -241,6 +257,7 @@ def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int) -> dic
             length *= 2
         lens.add(longest)
     return {
+        "max_prefill_rows": in_flight,
         "precompile_prompt_lens": tuple(sorted(lens)),
         "precompile_decode": any(p.max_tokens > 1 for p in prompts.values()),
         "precompile_truncated": any(p.truncates for p in prompts.values()),

@@ -20,7 +20,7 @@ from marin_rl.errors import ConfigError, DiskFull, PermanentError
 from marin_rl.interpreter import tune_interpreter
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Hooks, Shutdown, StepInfo
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes
+from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes, prompts_in_flight
 from marin_rl.orchestrator._resume import set_aside_abandoned
 from marin_rl.orchestrator._startup import StartupClock
 from marin_rl.workers import Endpoint, EnvWorkers, worker_specs
@@ -279,7 +279,10 @@ def embedded_server_config(config: TrainConfig, checked: CheckedRun):
     learner's compute dtype (the bits of both are equal only then)."""
     server = config.server
     if not server.precompile_prompt_lens:
-        server = dataclasses.replace(server, **engine_shapes(checked.prompts, server.max_seq_len))
+        shapes = engine_shapes(checked.prompts, server.max_seq_len, prompts_in_flight(config, checked.envs, checked.prompts))
+        if server.max_prefill_rows is not None:  # the user's
+            shapes.pop("max_prefill_rows")
+        server = dataclasses.replace(server, **shapes)
     if not config.exact:
         return server
     from marin_rl.learner import compute_dtype

@@ -11,7 +11,7 @@ from marin_rl.config import load_config
 from marin_rl.errors import ConfigError
 from marin_rl.orchestrator import _train
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, bucket
-from marin_rl.orchestrator._preflight import check_run, engine_shapes
+from marin_rl.orchestrator._preflight import check_run, engine_shapes, prompts_in_flight
 
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -122,13 +122,27 @@ def test_decode_shapes_left_out_of_the_precompile_are_noted_when_an_env_decodes(
     assert [n for n in notes if n.startswith("server.precompile_decode is off but addition asks for more than one token")]
 
 
+def test_prompts_in_flight_count_a_request_per_group_or_per_rollout_and_none_with_evaluation(tmp_path):
+    def in_flight(*overrides, config=QUICKSTART):
+        config = load_config(config, [f"--run_dir={tmp_path / 'run'}", *overrides])
+        checked = check_run(config, resume=False)
+        return config, prompts_in_flight(config, checked.envs, checked.prompts)
+
+    config, count = in_flight()  # one turn, sampled as `Env` does: one request of group_size samples per worker
+    assert count == config.envs[0].replicas == 8
+    assert in_flight("--envs.addition.replicas=3")[1] == 3
+    config, count = in_flight(config="configs/multiturn.yaml")  # later turns: a request per rollout
+    assert count == sum(e.replicas * e.group_size for e in config.envs) > sum(e.replicas for e in config.envs)
+    assert in_flight("--eval_every=10")[1] is None  # evaluation sends every held-out problem at once
+
+
 def test_engine_shapes_cover_the_envs_prompts_turns_decoding_and_top_p(tmp_path):
     def shapes(*overrides, config=QUICKSTART):
         config = load_config(config, [f"--run_dir={tmp_path / 'run'}", *overrides])
         return engine_shapes(check_run(config, resume=False).prompts, config.server.max_seq_len)
 
     # The quickstart: 7-token prompts, one-token answers: up to twice the longest prompt, no decode.
-    assert shapes() == {"precompile_prompt_lens": (7, 14), "precompile_decode": False, "precompile_truncated": False}
+    assert shapes() == {"max_prefill_rows": None, "precompile_prompt_lens": (7, 14), "precompile_decode": False, "precompile_truncated": False}
     decoding = shapes("--envs.addition.sampling.max_tokens=4", "--envs.addition.sampling.top_p=0.9")
     assert decoding["precompile_decode"] and decoding["precompile_truncated"]
     # A later turn's prompt holds the conversation so far: every length up to the row.
