@@ -279,10 +279,8 @@ def embedded_server_config(config: TrainConfig, checked: CheckedRun):
     learner's compute dtype (the bits of both are equal only then)."""
     server = config.server
     if not server.precompile_prompt_lens:
-        shapes = engine_shapes(checked.prompts, server.max_seq_len, prompts_in_flight(config, checked.envs, checked.prompts))
-        if server.max_prefill_rows is not None:  # the user's
-            shapes.pop("max_prefill_rows")
-        server = dataclasses.replace(server, **shapes)
+        rows = server.max_prefill_rows if server.max_prefill_rows is not None else prompts_in_flight(config, checked.envs, checked.prompts)
+        server = dataclasses.replace(server, **engine_shapes(checked.prompts, server.max_seq_len, rows))
     if not config.exact:
         return server
     from marin_rl.learner import compute_dtype
