@@ -97,16 +97,29 @@ def main(argv: list[str] | None = None) -> int:
             raise
         errors.print(f"[bold red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False)
         return USAGE_ERROR if isinstance(e, ConfigError | RunDirError) else 1
-    except KeyboardInterrupt:
-        # A second Ctrl-C: what was pending is written (train's clean-up ran), the final checkpoint is not.
-        if args.debug:
-            raise
-        errors.print("[yellow]aborted[/]: the rollouts are on disk; the final checkpoint was not written")
-        return INTERRUPTED
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: not an error. Keep Python from complaining at exit.
         sys.stdout = None
         return 0
+    except BaseException as e:
+        # A second Ctrl-C: what was pending is written (train's clean-up ran), the final checkpoint is not.
+        # A library may wrap the KeyboardInterrupt (JAX turns one raised inside a pytree `__eq__` into a
+        # ValueError), so its cause chain decides.
+        if args.debug or not raised_by_interrupt(e):
+            raise
+        errors.print("[yellow]aborted[/]: the rollouts are on disk; the final checkpoint was not written")
+        return INTERRUPTED
+
+
+def raised_by_interrupt(error: BaseException | None) -> bool:
+    """Whether `error` is a KeyboardInterrupt or was raised while handling or because of one."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def train_command(args, console: Console) -> int:
