@@ -44,7 +44,7 @@ def test_hung_verifier_threads_are_replaced_so_capacity_never_falls_to_zero(toke
         assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 10
     finally:
         release.set()
-    _wait_until(lambda: env.verifier_pool.threads == 0)
+    _wait_until(lambda: _threads_named("verifier:Stuck") == env.verifier_pool.threads == 0)  # a thread leaving the pool ends a moment later
     # Released, the abandoned threads end (every thread ran a call that timed out).
     assert env.verifier_pool.hung == 0 and _threads_named("verifier:Stuck") == 0
     assert env.metrics.as_dict()["envs/Stuck/hung_verifier_threads"] == 0
@@ -83,7 +83,7 @@ def test_a_reward_stuck_in_python_code_is_interrupted_at_its_timeout(tokenizer):
     started = time.monotonic()
     rollouts = _rollouts(env, ScriptedSampler(tokenizer, ["x"]), n=4)
     assert [r.metadata["reward_errors"]["loops"] for r in rollouts] == ["timed out after 0.1s"] * 4
-    _wait_until(lambda: env.verifier_pool.threads == 0)
+    _wait_until(lambda: _threads_named("verifier:Looping") == env.verifier_pool.threads == 0)  # a thread leaving the pool ends a moment later
     assert len(finished) == 4 and max(finished) - started < 30  # ended by the interruption, not by the loop
     assert env.verifier_pool.hung == 0 and _threads_named("verifier:Looping") == 0
     assert env.metrics.as_dict()["envs/Looping/hung_verifier_threads"] == 0
