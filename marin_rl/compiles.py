@@ -53,14 +53,16 @@ def set_default_xla_flags() -> None:
     `GPU_MEMORY_FRACTION`, both read when JAX starts its backend (so: before the first computation). What
     the user set already is left as they set it."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
-    flags = os.environ.get("XLA_FLAGS", "")
-    added = os.environ.get(_ADDED_FLAGS_ENV, "").split()
-    for flag in DEFAULT_XLA_FLAGS + (CPU_ONLY_XLA_FLAGS if only_cpu_available() else ()):
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}".strip()
-            added.append(flag)
+    flags, added = with_xla_flags(os.environ.get("XLA_FLAGS", ""), DEFAULT_XLA_FLAGS + (CPU_ONLY_XLA_FLAGS if only_cpu_available() else ()))
     os.environ["XLA_FLAGS"] = flags
-    os.environ[_ADDED_FLAGS_ENV] = " ".join(added)
+    os.environ[_ADDED_FLAGS_ENV] = " ".join([*os.environ.get(_ADDED_FLAGS_ENV, "").split(), *added])
+
+
+def with_xla_flags(flags: str, wanted: tuple[str, ...]) -> tuple[str, list[str]]:
+    """`flags` (an XLA_FLAGS value) with each flag of `wanted` whose name it does not hold appended, and
+    those appended: a value already set is left as it was."""
+    added = [flag for flag in wanted if flag.split("=")[0] not in flags]
+    return " ".join([flags, *added]).strip(), added
 
 
 def only_cpu_available() -> bool:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from marin_rl.compiles import with_xla_flags
+
 VERIFIERS_ENVS = Path(__file__).parent / "verifiers_envs"
 
 
@@ -38,16 +40,7 @@ models spend more time compiling than running.
   Not a default of runs (`marin_rl.compiles`): at 256 hidden the learner's step is 14% slower."""
 
 
-def _compile_for_tiny_models() -> None:
-    """`TEST_XLA_FLAGS`, where XLA_FLAGS does not set them already. Before JAX reads XLA_FLAGS."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    for flag in TEST_XLA_FLAGS:
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}".strip()
-    os.environ["XLA_FLAGS"] = flags
-
-
-_compile_for_tiny_models()
+os.environ["XLA_FLAGS"] = with_xla_flags(os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS)[0]  # before JAX reads it
 
 
 def pytest_configure(config):
