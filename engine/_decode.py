@@ -11,6 +11,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from marin_rl.engine._attention import AttentionKernels
@@ -45,19 +46,23 @@ class SlotState(eqx.Module):
 
     @staticmethod
     def empty(slots: int, table_width: int, max_stops: int, stop_len: int) -> SlotState:
-        zeros = lambda: jnp.zeros(slots, jnp.int32)  # noqa: E731  (distinct buffers: the state is donated)
+        # Copied from the host, each its own buffer (the state is donated): a constant made on the device
+        # compiles a program per shape and dtype (10 of the quickstart's 42 at a cold start).
+        def full(shape, value, dtype):
+            return jax.device_put(np.full(shape, value, dtype))
+
         return SlotState(
-            tokens=zeros(),
-            positions=zeros(),
-            active=jnp.zeros(slots, bool),
-            block_tables=jnp.full((slots, table_width), SCRATCH_PAGE, jnp.int32),
-            keys=jnp.zeros((slots, 2), jnp.uint32),
-            temperature=jnp.ones(slots, jnp.float32),
-            top_p=jnp.ones(slots, jnp.float32),
-            top_k=zeros(),
-            end_position=zeros(),
-            stops=jnp.full((slots, max_stops, stop_len), -1, jnp.int32),
-            history=jnp.full((slots, stop_len), NO_TOKEN, jnp.int32),
+            tokens=full(slots, 0, np.int32),
+            positions=full(slots, 0, np.int32),
+            active=full(slots, False, bool),
+            block_tables=full((slots, table_width), SCRATCH_PAGE, np.int32),
+            keys=full((slots, 2), 0, np.uint32),
+            temperature=full(slots, 1, np.float32),
+            top_p=full(slots, 1, np.float32),
+            top_k=full(slots, 0, np.int32),
+            end_position=full(slots, 0, np.int32),
+            stops=full((slots, max_stops, stop_len), -1, np.int32),
+            history=full((slots, stop_len), NO_TOKEN, np.int32),
         )
 
 
