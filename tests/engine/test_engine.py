@@ -206,6 +206,27 @@ def test_precompiled_shapes_serve_and_swap_without_compiling_and_other_shapes_ar
         engine.stop()
 
 
+def test_the_shapes_run_at_start_change_nothing_the_first_requests_see():
+    """Each precompiled shape runs once at start (a GPU loads its kernels then, not in the first steps): no
+    page taken, no slot active, and the first requests sample the bits of an engine that ran none."""
+    model = tiny("llama", 0)
+    warmed = Engine(dataclasses.replace(CONFIG, precompile_prompt_lens=(10,)), model)
+    plain = Engine(CONFIG, model)
+    try:
+        core = warmed.core
+        assert core.pages.num_free == core.pages.capacity and core.scheduler.num_active == 0
+        assert not np.asarray(core._state.active).any()
+        def jobs():
+            return [job(range(1, 11), n=3, max_tokens=9, seed=7), job(range(2, 9), max_tokens=12, seed=8)]
+
+        for ours, theirs in zip(run(warmed, jobs()), run(plain, jobs())):
+            assert [s.token_ids for s in ours.samples] == [s.token_ids for s in theirs.samples]
+            assert [s.logprobs for s in ours.samples] == [s.logprobs for s in theirs.samples]
+    finally:
+        warmed.stop()
+        plain.stop()
+
+
 def test_without_precompiled_decode_one_token_requests_compile_nothing_and_a_longer_one_compiles_decode():
     config = EngineConfig(
         max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,), precompile_decode=False
