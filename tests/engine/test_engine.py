@@ -216,6 +216,7 @@ def test_the_shapes_run_at_start_change_nothing_the_first_requests_see():
         core = warmed.core
         assert core.pages.num_free == core.pages.capacity and core.scheduler.num_active == 0
         assert not np.asarray(core._state.active).any()
+
         def jobs():
             return [job(range(1, 11), n=3, max_tokens=9, seed=7), job(range(2, 9), max_tokens=12, seed=8)]
 
