@@ -223,9 +223,9 @@ class EngineCore:
         logger.info("engine: compiled %d shapes in %.1fs%s%s", len(calls), time.perf_counter() - start, loaded, slowest_text)
         # Then each runs once, changing nothing (no prompt written, no slot active): a GPU loads a program's
         # kernels at its first run, which fell in the first steps (an H200's step 3 took 1.7x the median).
-        for key, _, dynamic, _ in calls:
+        for call in calls:
             with self._lock:
-                self._cache, self._state, *_ = self._executables[key](self._leaves, self._cache, self._state, *dynamic)
+                self._cache, self._state, *_ = self._call(*call)
         jax.block_until_ready(self._state)
 
     def _call(self, key: tuple, fn, dynamic: tuple, static: tuple):
