@@ -34,8 +34,8 @@ class EngineConfig:
     page_size: int = 16
     """Tokens per KV-cache page. The `n` samples of a prompt share its full prompt pages."""
     kv_cache_tokens: int | None = None
-    """KV-cache size in tokens. None: `kv_cache_memory_fraction` if set, else `max_seqs * max_seq_len`
-    (every slot can reach `max_seq_len`)."""
+    """KV-cache size in tokens. None: `kv_cache_memory_fraction` if set, else enough whole pages for every
+    slot to reach `max_seq_len` (`max_seqs * max_seq_len`, rounded up to pages per slot)."""
     kv_cache_memory_fraction: float | None = None
     """Size the KV cache to this fraction of the device memory free when the engine starts (GPU/TPU).
     Leave room for the learner when colocated."""

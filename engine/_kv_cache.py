@@ -61,7 +61,9 @@ def plan_kv_cache(config: EngineConfig, *, num_layers: int, kv_heads: int, head_
             f"at {spec.bytes_per_token} bytes per token"
         )
     else:
-        tokens, source = config.max_seqs * config.max_seq_len, f"max_seqs * max_seq_len = {config.max_seqs} * {config.max_seq_len}"
+        # Whole pages: a sequence of max_seq_len tokens takes pages_per_seq of them.
+        tokens = config.max_seqs * config.pages_per_seq * config.page_size
+        source = f"max_seqs * max_seq_len in pages = {config.max_seqs} * {config.pages_per_seq} * {config.page_size}"
     needed = config.pages_per_seq * config.page_size
     if tokens < needed:
         raise ValueError(

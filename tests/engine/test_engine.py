@@ -284,6 +284,18 @@ def test_a_cache_that_cannot_hold_one_sequence_is_refused_at_start():
         Engine(EngineConfig(max_seqs=4, max_seq_len=SEQ_LEN, page_size=8, kv_cache_tokens=50), tiny("llama"))
 
 
+def test_the_default_cache_holds_max_seqs_sequences_of_max_seq_len_in_whole_pages():
+    """max_seq_len need not be a multiple of the page size: one slot of 20 tokens takes 3 pages of 8."""
+    engine = Engine(EngineConfig(max_seqs=1, max_seq_len=20, page_size=8, decode_steps=4), tiny("llama"))
+    try:
+        assert engine.core.cache_spec.tokens == 24
+        result = run(engine, [job([3, 1, 4, 1, 5], max_tokens=15, temperature=0.0)])[0]
+        assert len(result.samples[0].token_ids) == 15
+        assert engine.core.stats.errors == 0 and engine.core.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+
+
 def test_impossible_requests_are_refused_at_submit(family_engine):
     _, _, engine = family_engine
     for bad, match in [
