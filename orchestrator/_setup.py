@@ -19,6 +19,7 @@ from marin_rl.config import TrainConfig
 from marin_rl.errors import ConfigError, DiskFull, PermanentError
 from marin_rl.interpreter import tune_interpreter
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Hooks, Shutdown, StepInfo
+from marin_rl.orchestrator._memory import reserve_device_memory
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes, prompts_in_flight
 from marin_rl.orchestrator._resume import set_aside_abandoned
@@ -89,9 +90,10 @@ class Run:
 
 def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Event, checked: CheckedRun, compiles: CompileCounter, shutdown: Shutdown) -> Run:
     """Build the run's parts; `shutdown` closes each (what was built, should a later part fail)."""
-    # Heavy imports after the config is known to be good.
+    # Heavy imports after the config is known to be good; the accelerators' memory is reserved beside them.
     import jax
 
+    reserve_device_memory(config)
     from marin_rl.distributed import Placement
     from marin_rl.engine import DeviceLock
     from marin_rl.learner import Learner

@@ -62,3 +62,31 @@ def test_a_run_beyond_the_stated_device_memory_is_refused_at_start_with_the_numb
 def test_device_memory_gib_must_be_positive():
     with pytest.raises(ValueError, match="placement.device_memory_gib must be > 0"):
         load_config(QUICKSTART, ["--placement.device_memory_gib=0"])
+
+
+def test_memory_is_reserved_on_each_accelerator_the_run_uses_off_the_main_thread(monkeypatch):
+    """An accelerator's first allocation (JAX's allocator reserving most of a GPU: about 2 s) happens in a
+    thread per device, beside the imports and the build; on a CPU nothing is started."""
+    import threading
+
+    import jax
+
+    from marin_rl.orchestrator._memory import reserve_device_memory
+
+    config = load_config(QUICKSTART)
+    assert reserve_device_memory(config) == []  # this CPU: no allocator to start
+
+    allocated = []
+    real_device_put = jax.device_put
+
+    def recording_device_put(value, device):
+        allocated.append((device, threading.current_thread() is threading.main_thread()))
+        return real_device_put(value, device)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_put", recording_device_put)
+    threads = reserve_device_memory(config)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(threads) == 1 and not threads[0].is_alive()
+    assert allocated == [(jax.devices()[0], False)]
