@@ -115,6 +115,11 @@ class EngineConfig:
         return -(-self.max_seq_len // self.page_size)
 
     @property
+    def every_slot_tokens(self) -> int:
+        """KV-cache tokens for every slot to reach `max_seq_len`, in whole pages: the cache's default size."""
+        return self.max_seqs * self.pages_per_seq * self.page_size
+
+    @property
     def exact_layout(self) -> ExactLayout | None:
         """The exact passes' shapes (None unless `exact_numerics`): windows of a whole max_seq_len in pages."""
         return ExactLayout(self.exact_tile, self.pages_per_seq * self.page_size) if self.exact_numerics else None

@@ -61,8 +61,7 @@ def plan_kv_cache(config: EngineConfig, *, num_layers: int, kv_heads: int, head_
             f"at {spec.bytes_per_token} bytes per token"
         )
     else:
-        # Whole pages: a sequence of max_seq_len tokens takes pages_per_seq of them.
-        tokens = config.max_seqs * config.pages_per_seq * config.page_size
+        tokens = config.every_slot_tokens
         source = f"max_seqs * max_seq_len in pages = {config.max_seqs} * {config.pages_per_seq} * {config.page_size}"
     needed = config.pages_per_seq * config.page_size
     if tokens < needed:

@@ -128,7 +128,7 @@ def memory_plan(config: TrainConfig, vocab: int, *, backend: str) -> MemoryPlan:
         # A swap makes the next policy's copy while the current one serves.
         plan.add(device, "engine: the next policy's weights, during a swap", params * engine_dtype)
         if server.kv_cache_memory_fraction is None:
-            tokens = server.kv_cache_tokens or server.max_seqs * server.max_seq_len
+            tokens = server.kv_cache_tokens or server.every_slot_tokens
             plan.add(device, f"engine: KV cache ({tokens:,} tokens)", tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * engine_dtype)
     return plan
 
@@ -158,8 +158,8 @@ def reserve_device_memory(config: TrainConfig) -> list[threading.Thread]:
 
     JAX's allocator reserves most of a GPU's memory at its first allocation: 1.7-1.9 s for an H200's
     105 GiB, which came inside the model's build (2.5 s of a warm 0.5B start under a profiler). Begun
-    before the run's heavy imports, it happens beside them (the driver's calls do not hold the
-    interpreter lock)."""
+    before the run's heavy imports, it happens beside them: made beside an import on an H200, it
+    delayed nothing."""
     import jax
     import numpy as np
 
