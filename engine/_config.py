@@ -45,7 +45,8 @@ class EngineConfig:
     max_prefill_rows: int | None = None
     """Prompts prefilled in one device call at most (None: as many as `max_prefill_tokens` and the free
     slots allow). Prompts beyond it wait for the next prefill call. `marin-rl train` sets it to the
-    prompts its env workers can have in flight, so that start-up compiles no prefill shape the run cannot use."""
+    prompts its env workers can have in flight (at most 4 on a CPU), so that start-up compiles no prefill
+    shape the run cannot use."""
     precompile_prompt_lens: tuple[int, ...] = ()
     """At start, compile prefill for every number of prompts of these lengths (their power-of-two
     buckets) and decode for every number of busy slots (seconds each on a GPU), so that no request

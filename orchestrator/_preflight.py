@@ -241,6 +241,21 @@ def prompts_in_flight(config: TrainConfig, envs: Mapping[str, Any], prompts: Map
     return total
 
 
+CPU_PREFILL_ROWS = 4
+"""On a CPU, an embedded engine's prefill call takes at most this many prompts. There prefill costs about
+the same split into calls (the cores are busy either way), while each larger shape is one more program
+to compile at start: the quickstart's 16-prompt shape took 1.8 s of its cold start's XLA on 2 cores."""
+
+
+def prefill_rows(config: TrainConfig, envs: Mapping[str, Any], prompts: Mapping[str, PromptLengths], backend: str) -> int | None:
+    """The most prompts an embedded engine's prefill call takes: as many as can be in flight
+    (`prompts_in_flight`), and on a CPU at most `CPU_PREFILL_ROWS`."""
+    in_flight = prompts_in_flight(config, envs, prompts)
+    if backend != "cpu":
+        return in_flight
+    return CPU_PREFILL_ROWS if in_flight is None else min(in_flight, CPU_PREFILL_ROWS)
+
+
 def engine_shapes(prompts: Mapping[str, PromptLengths], max_seq_len: int, in_flight: int | None = None) -> dict[str, Any]:
     """What an embedded engine compiles at start so that no step waits on a compilation (the
     `EngineConfig.precompile_*` fields): prefill for prompts from the shortest measured to twice the

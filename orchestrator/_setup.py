@@ -21,7 +21,7 @@ from marin_rl.interpreter import tune_interpreter
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Hooks, Shutdown, StepInfo
 from marin_rl.orchestrator._memory import reserve_device_memory
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
-from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes, prompts_in_flight
+from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes, prefill_rows
 from marin_rl.orchestrator._resume import set_aside_abandoned
 from marin_rl.orchestrator._startup import StartupClock
 from marin_rl.workers import Endpoint, EnvWorkers, worker_specs
@@ -281,7 +281,9 @@ def embedded_server_config(config: TrainConfig, checked: CheckedRun):
     learner's compute dtype (the bits of both are equal only then)."""
     server = config.server
     if not server.precompile_prompt_lens:
-        rows = server.max_prefill_rows if server.max_prefill_rows is not None else prompts_in_flight(config, checked.envs, checked.prompts)
+        import jax
+
+        rows = server.max_prefill_rows if server.max_prefill_rows is not None else prefill_rows(config, checked.envs, checked.prompts, jax.default_backend())
         server = dataclasses.replace(server, **engine_shapes(checked.prompts, server.max_seq_len, rows))
     if not config.exact:
         return server

@@ -11,7 +11,7 @@ from marin_rl.config import load_config
 from marin_rl.errors import ConfigError
 from marin_rl.orchestrator import _train
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, bucket
-from marin_rl.orchestrator._preflight import check_run, engine_shapes, prompts_in_flight
+from marin_rl.orchestrator._preflight import CPU_PREFILL_ROWS, check_run, engine_shapes, prefill_rows, prompts_in_flight
 
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -134,6 +134,23 @@ def test_prompts_in_flight_count_a_request_per_group_or_per_rollout_and_none_wit
     config, count = in_flight(config="configs/multiturn.yaml")  # later turns: a request per rollout
     assert count == sum(e.replicas * e.group_size for e in config.envs) > sum(e.replicas for e in config.envs)
     assert in_flight("--eval_every=10")[1] is None  # evaluation sends every held-out problem at once
+
+
+def test_on_a_cpu_a_prefill_call_takes_at_most_four_prompts_and_a_value_set_by_hand_is_kept(tmp_path):
+    """The quickstart's 8 workers: a GPU's engine takes all 8 in one call, a CPU's at most 4 (one shape less to
+    compile at start); `server.max_prefill_rows` set by hand wins."""
+    from marin_rl.orchestrator._setup import embedded_server_config
+
+    def rows(*overrides, backend="cpu"):
+        config = load_config(QUICKSTART, [f"--run_dir={tmp_path / 'run'}", *overrides])
+        checked = check_run(config, resume=False)
+        return prefill_rows(config, checked.envs, checked.prompts, backend), embedded_server_config(config, checked).max_prefill_rows
+
+    assert rows() == (CPU_PREFILL_ROWS, CPU_PREFILL_ROWS) == (4, 4)  # this CPU: the engine gets the cap
+    assert rows(backend="gpu")[0] == 8
+    assert rows("--envs.addition.replicas=3")[0] == 3
+    assert rows("--eval_every=10")[0] == CPU_PREFILL_ROWS and rows("--eval_every=10", backend="gpu")[0] is None
+    assert rows("--server.max_prefill_rows=8")[1] == 8
 
 
 def test_engine_shapes_cover_the_envs_prompts_turns_decoding_and_top_p(tmp_path):
