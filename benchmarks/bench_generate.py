@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--max-seqs", type=int, default=None, help="engine slots; default the largest --concurrency")
+    parser.add_argument("--min-decode-slots", type=int, default=None, help="fewest rows a decode call computes (default: the engine's)")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--max-seq-len", type=int, default=None, help="engine context (and KV cache per slot); default prompt + new tokens")
@@ -331,7 +333,7 @@ def main() -> None:
 
     restore_jax_core_is_constant_dim()
     max_len = args.max_seq_len or args.prompt_len + max(args.new_tokens)
-    max_seqs = max(args.concurrency)
+    max_seqs = args.max_seqs or max(args.concurrency)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     start = time.perf_counter()
     model = build(args.size, max_len)
@@ -344,6 +346,7 @@ def main() -> None:
         page_size=args.page_size,
         max_prefill_tokens=max(max_len, max_seqs * args.prompt_len),
         decode_steps=args.decode_steps,
+        min_decode_slots=args.min_decode_slots,
         precompile_prompt_lens=(args.prompt_len,),
         compute_dtype=args.dtype,
         attention=args.attention,

@@ -39,6 +39,10 @@ from marin_rl.programs import ProgramStore
 
 logger = logging.getLogger(__name__)
 
+MIN_DECODE_SLOTS = 8
+GPU_MIN_DECODE_SLOTS = 32
+"""`EngineConfig.min_decode_slots` unset, on a GPU and elsewhere."""
+
 
 @dataclass
 class EngineStats:
@@ -135,6 +139,8 @@ class EngineCore:
             device=device,
         )
         self.table_width = self.kernels.table_width(config.pages_per_seq)
+        platform = device.platform if device is not None else jax.default_backend()
+        self.min_decode_slots = config.min_decode_slots or (GPU_MIN_DECODE_SLOTS if platform == "gpu" else MIN_DECODE_SLOTS)
         self._top_k = max(1, min(config.max_logprobs, self._weights.Vocab.size))
         # Host inputs go in as numpy arrays: the jit's C++ dispatch transfers them (one `jnp.asarray`
         # each took 0.2 ms on the GPU machine, 3.6 ms for a prefill call's arrays).
@@ -189,7 +195,7 @@ class EngineCore:
                     batch = PrefillBatch(**self.scheduler.empty_batch(rows, time_bucket))
                     calls.append((("prefill", rows, time_bucket, truncate), self._prefill, (batch,), (self.kernels, truncate)))
                     rows *= 4
-            for slots_used in slots_buckets(config.max_seqs) if config.precompile_decode else ():
+            for slots_used in slots_buckets(config.max_seqs, self.min_decode_slots) if config.precompile_decode else ():
                 static = (self.kernels, config.decode_steps, slots_used, truncate)
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
@@ -372,7 +378,7 @@ class EngineCore:
 
     def _dispatch_decode(self, scheduler: Scheduler) -> None:
         # Only the slots up to the highest one in use, rounded up to few shapes (each compiled once).
-        slots_used = slots_bucket(scheduler.highest_slot() + 1, self.config.max_seqs)
+        slots_used = slots_bucket(scheduler.highest_slot() + 1, self.config.max_seqs, self.min_decode_slots)
         self._hold_device()
         dispatched = time.perf_counter()
         variants = jit_cache_size(self._compiled_calls["decode"])

@@ -32,20 +32,19 @@ def bucket(size: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, size - 1).bit_length())
 
 
-MIN_DECODE_SLOTS = 8
 DECODE_SLOTS_STEP = 128
 
 
-def slots_bucket(slots: int, max_seqs: int) -> int:
-    """Decode rows for slots 0..slots-1: a power of two up to DECODE_SLOTS_STEP, then a multiple of it.
-    Powers of two all the way wasted up to half the rows: 650 sequences in flight decoded 1,024."""
-    rows = bucket(slots, MIN_DECODE_SLOTS) if slots <= DECODE_SLOTS_STEP else -(-slots // DECODE_SLOTS_STEP) * DECODE_SLOTS_STEP
+def slots_bucket(slots: int, max_seqs: int, minimum: int) -> int:
+    """Decode rows for slots 0..slots-1: a power of two from `minimum` up to DECODE_SLOTS_STEP, then a
+    multiple of it. Powers of two all the way wasted up to half the rows: 650 sequences in flight decoded 1,024."""
+    rows = bucket(slots, minimum) if slots <= DECODE_SLOTS_STEP else -(-slots // DECODE_SLOTS_STEP) * DECODE_SLOTS_STEP
     return min(rows, max_seqs)
 
 
-def slots_buckets(max_seqs: int) -> list[int]:
+def slots_buckets(max_seqs: int, minimum: int) -> list[int]:
     """Every `slots_bucket` an engine of `max_seqs` slots can decode."""
-    return sorted({slots_bucket(n, max_seqs) for n in range(1, max_seqs + 1)})
+    return sorted({slots_bucket(n, max_seqs, minimum) for n in range(1, max_seqs + 1)})
 
 
 def rows_bucket(prompts: int) -> int:

@@ -244,6 +244,34 @@ def test_without_precompiled_decode_one_token_requests_compile_nothing_and_a_lon
         engine.stop()
 
 
+def test_decode_calls_compute_at_least_min_decode_slots_rows_32_by_default_on_a_gpu(monkeypatch):
+    """Each decode bucket is a program compiled at start: from `min_decode_slots` rows up (8 on a CPU,
+    32 on a GPU, where each autotunes its matmuls for seconds), so fewer of them."""
+    base = EngineConfig(max_seqs=16, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,), max_prefill_rows=1)
+    model = tiny("llama", 0)
+
+    def decode_programs(config) -> list[int]:
+        engine = Engine(config, model)
+        try:
+            return sorted(key[1] for key in engine.core._executables if key[0] == "decode")
+        finally:
+            engine.stop()
+
+    assert decode_programs(base) == [8, 16]  # this CPU
+    engine = Engine(dataclasses.replace(base, min_decode_slots=16), model)
+    try:
+        assert sorted(key[1] for key in engine.core._executables if key[0] == "decode") == [16]
+        result = run(engine, [job(range(1, 11), max_tokens=9, seed=3)])[0]  # one slot busy: decoded in 16 rows
+        assert len(result.samples[0].token_ids) == 9
+        assert engine.stats.compilations == 0 and engine.stats.errors == 0 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # float32 weights: the same kernels as on a CPU
+    assert decode_programs(dataclasses.replace(base, max_seqs=128)) == [32, 64, 128]
+    with pytest.raises(ValueError, match="min_decode_slots must be >= 1"):
+        EngineConfig(min_decode_slots=0)
+
+
 def test_max_prefill_rows_caps_each_prefill_call_and_the_shapes_compiled_at_start():
     config = EngineConfig(
         max_seqs=8, max_seq_len=SEQ_LEN, page_size=8, batch_wait_s=0.5, precompile_prompt_lens=(10,),

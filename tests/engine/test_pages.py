@@ -117,13 +117,15 @@ def test_cancelled_jobs_are_skipped_and_abandoned_ones_free_their_slots():
 
 
 def test_decode_slot_buckets_cover_every_count_with_little_padding():
-    buckets = slots_buckets(1024)
+    buckets = slots_buckets(1024, 8)
     assert buckets == [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
     for used in range(1, 1025):
-        rows = slots_bucket(used, 1024)
+        rows = slots_bucket(used, 1024, 8)
         assert rows in buckets and rows >= used
         assert used <= 128 or rows - used < 128  # above 128 rows, under one step of padding
-    assert slots_buckets(64) == [8, 16, 32, 64] and slots_bucket(3, 6) == 6  # never past max_seqs
+    assert slots_buckets(64, 8) == [8, 16, 32, 64] and slots_bucket(3, 6, 8) == 6  # never past max_seqs
+    assert slots_buckets(1024, 32) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]  # a GPU's default minimum
+    assert slots_buckets(128, 32) == [32, 64, 128] and slots_buckets(16, 32) == [16]
 
 
 def test_a_chunk_read_back_late_gives_nothing_to_a_slot_freed_and_taken_again_since():
