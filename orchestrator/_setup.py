@@ -19,7 +19,7 @@ from marin_rl.config import TrainConfig
 from marin_rl.errors import ConfigError, DiskFull, PermanentError
 from marin_rl.interpreter import tune_interpreter
 from marin_rl.orchestrator._lifecycle import LEARNED, LOGGED, MEASURED, PERSISTED, Hooks, Shutdown, StepInfo
-from marin_rl.orchestrator._memory import reserve_device_memory
+from marin_rl.orchestrator._memory import reserve_device_memory, used_devices
 from marin_rl.orchestrator._metrics import MetricsLog, ProgressLine
 from marin_rl.orchestrator._preflight import CheckedRun, engine_shapes, prefill_rows
 from marin_rl.orchestrator._resume import set_aside_abandoned
@@ -241,7 +241,7 @@ def _measure(run: Run, info: StepInfo) -> None:
         names = ", ".join(f"{name} ({s:.1f} s)" for name, s in run.compiles.compiled[run.compiled : counted["compile/count"]])
         logger.warning("step %d compiled %s: a shape not compiled at start", info.step, names)
     run.compiled = counted["compile/count"]
-    for device in sorted({*config.placement.learner_devices, *config.embedded_devices}):  # none on a CPU
+    for device in used_devices(config):  # none report memory on a CPU
         stats = device_memory_stats(jax.devices()[device]) or {}
         if "peak_bytes_in_use" in stats:
             metrics[f"memory/device{device}_peak_gib"] = stats["peak_bytes_in_use"] / 2**30
