@@ -42,6 +42,12 @@ decode 17% faster for 1B and 7% for 0.5B (50,429 against 43,150 tok/s). Prefill 
 matmuls have a row per prompt token, where cuBLAS does well, and their autotuning made the 1B engine's cold
 compile 26.6-28.4 s instead of 19.3 s (one prompt's prefill 3.4-3.6 ms against 4.0 ms without them)."""
 
+TRITON_DECODE_MAX_ROWS = 128
+"""Decode calls of more rows than this use cuBLAS too: their matmuls are large enough for it (on an H200 a 0.5B
+step of 1,024 rows took 5.08 ms against 5.05 with Triton, of 256 rows 1.87 against 1.79), and each of those
+programs autotuned Triton GEMMs at a cold start: the 0.5B loop's engine (1,024 slots, seven programs above
+128 rows) compiled in 29.7 s against 36.3 s."""
+
 
 GPU_MEMORY_FRACTION = "0.95"
 """The share of a GPU's memory JAX's allocator may take (`XLA_PYTHON_CLIENT_MEM_FRACTION`). JAX's own 0.75
@@ -83,12 +89,14 @@ def prepare_process() -> None:
     transformers_without_torch()
 
 
-def engine_compiler_options(exact: bool, call: str) -> dict[str, bool]:
-    """`ENGINE_COMPILER_OPTIONS` for the engine's decode `call`, unless the user's own XLA_FLAGS set Triton
-    GEMMs or the engine's passes must give the learner's bits (`exact`: the same kernels on both sides)."""
+def engine_compiler_options(exact: bool, call: str, rows: int) -> dict[str, bool]:
+    """`ENGINE_COMPILER_OPTIONS` for the engine's decode `call` of `rows` rows (up to TRITON_DECODE_MAX_ROWS),
+    unless the user's own XLA_FLAGS set Triton GEMMs or the engine's passes must give the learner's bits
+    (`exact`: the same kernels on both sides)."""
     added = os.environ.get(_ADDED_FLAGS_ENV, "").split()
     user_set = any(flag.split("=")[0].lstrip("-") in ENGINE_COMPILER_OPTIONS and flag not in added for flag in os.environ.get("XLA_FLAGS", "").split())
-    return {} if exact or user_set or call != "decode" else dict(ENGINE_COMPILER_OPTIONS)
+    wanted = call == "decode" and rows <= TRITON_DECODE_MAX_ROWS
+    return dict(ENGINE_COMPILER_OPTIONS) if wanted and not exact and not user_set else {}
 
 
 class CompileCounter:

@@ -93,7 +93,7 @@ class ProgramStore:
         model's non-array parts)."""
         like = tuple(donate_argnums if returns_like is None else returns_like)
         leaves, in_tree = jax.tree.flatten(tuple(args))
-        path = self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
+        path = self._path(name, args, static, context)
         exported = self._load(path)
         if exported is None:
             blob = _export(fn, in_tree, static, leaves, len(like)).serialize()
@@ -115,6 +115,14 @@ class ProgramStore:
             return (*jax.tree.unflatten(like_tree, like_leaves), *rest)
 
         return run
+
+    def holds(self, name: str, args: Sequence, static: Sequence, context: str) -> bool:
+        """Whether `compile` would load this program (a warm start) rather than lower it."""
+        return self._path(name, args, static, context).exists()
+
+    def _path(self, name: str, args: Sequence, static: Sequence, context: str) -> Path:
+        leaves, in_tree = jax.tree.flatten(tuple(args))
+        return self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
 
     def _key(self, name: str, leaves, in_tree, static, context: str) -> str:
         config = jax.config

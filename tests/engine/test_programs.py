@@ -5,10 +5,13 @@ differs only in a non-array part (same shapes) never gets another model's progra
 import logging
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from marin_rl.engine import Engine, EngineConfig, GenerationJob
 from marin_rl.learner import ModelConfig, build_model
+from marin_rl.programs import ProgramStore
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +70,26 @@ def test_a_model_differing_only_in_a_non_array_part_gets_programs_of_its_own(pro
     assert made[1].loaded == 0  # same shapes and dtypes, other rotary embeddings: other keys
     directory["path"] = None
     assert start_and_sample(model(rope_theta=500.0))[0] == other_theta
+
+
+def test_a_store_holds_a_program_once_written_whether_asked_with_arrays_or_shapes(tmp_path):
+    """What the engine asks to decide a warm start (its programs' first runs beside the loading)."""
+
+    def scaled_sum(x, y, scale):
+        return (x * scale + y,)
+
+    args = (jnp.arange(3.0), jnp.ones(3))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    store = ProgramStore(tmp_path)
+    assert not store.holds("f", args, (2.0,), context="")
+    first = store.compile("f", scaled_sum, shapes, (2.0,), donate_argnums=(), context="", returns_like=(0,))
+    assert store.holds("f", args, (2.0,), context="") and store.holds("f", shapes, (2.0,), context="")
+    assert not store.holds("f", args, (3.0,), context="")  # another static argument
+    assert not store.holds("f", (jnp.arange(4.0), jnp.ones(4)), (2.0,), context="")  # other shapes
+    assert not store.holds("f", args, (2.0,), context="another model")
+
+    again = ProgramStore(tmp_path)
+    second = again.compile("f", scaled_sum, args, (2.0,), donate_argnums=(), context="", returns_like=(0,))
+    assert again.loaded == 1 and store.loaded == 0
+    np.testing.assert_array_equal(first(*args)[0], second(*args)[0])
+    np.testing.assert_array_equal(second(*args)[0], [1.0, 3.0, 5.0])

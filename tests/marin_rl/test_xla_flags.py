@@ -10,6 +10,7 @@ from marin_rl.compiles import (
     DEFAULT_XLA_FLAGS,
     ENGINE_COMPILER_OPTIONS,
     GPU_MEMORY_FRACTION,
+    TRITON_DECODE_MAX_ROWS,
     engine_compiler_options,
     set_default_xla_flags,
 )
@@ -38,22 +39,25 @@ def test_defaults_are_added_once_and_the_users_own_setting_of_a_flag_wins(monkey
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/dump"
 
 
-def test_the_engines_decode_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_passes_are_exact(monkeypatch):
+def test_the_engines_decode_of_up_to_128_rows_turns_triton_gemms_back_on_unless_the_user_set_them_or_its_passes_are_exact(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")  # restored (absent) after the test
     set_default_xla_flags()
     assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"].split()  # the learner's programs
-    assert engine_compiler_options(exact=False, call="decode") == ENGINE_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": True}
-    assert engine_compiler_options(exact=False, call="prefill") == {}  # cuBLAS: no Triton autotuning at start
-    assert engine_compiler_options(exact=True, call="decode") == {}  # the learner's kernels, for the learner's bits
+    for rows in (8, 32, TRITON_DECODE_MAX_ROWS):
+        assert engine_compiler_options(exact=False, call="decode", rows=rows) == ENGINE_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": True}
+    for rows in (TRITON_DECODE_MAX_ROWS + 1, 256, 1024):  # cuBLAS: no Triton autotuning at start
+        assert engine_compiler_options(exact=False, call="decode", rows=rows) == {}
+    assert engine_compiler_options(exact=False, call="prefill", rows=1) == {}
+    assert engine_compiler_options(exact=True, call="decode", rows=32) == {}  # the learner's kernels, for the learner's bits
     set_default_xla_flags()  # again, as a child process that inherited both variables does
-    assert engine_compiler_options(exact=False, call="decode") == ENGINE_COMPILER_OPTIONS
+    assert engine_compiler_options(exact=False, call="decode", rows=32) == ENGINE_COMPILER_OPTIONS
 
     for users in ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_triton_gemm=true"):
         monkeypatch.setenv("XLA_FLAGS", users)
         monkeypatch.setenv("MARIN_RL_ADDED_XLA_FLAGS", "")
         set_default_xla_flags()
-        assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False, call="decode") == {}
+        assert os.environ["XLA_FLAGS"] == users and engine_compiler_options(exact=False, call="decode", rows=32) == {}
 
 
 def test_where_only_the_cpu_is_there_xla_compiles_at_level_1_unless_the_user_set_a_level(monkeypatch):
