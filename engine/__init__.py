@@ -19,6 +19,7 @@ _LAZY = {
     "Engine": "_engine",
     "EngineStats": "_core",
     "PageAllocator": "_pages",
+    "ModelToCome": "_weights",
     "ServingWeights": "_weights",
     "serving_weights": "_weights",
     "unrolled_weights": "_weights",

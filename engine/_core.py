@@ -35,7 +35,7 @@ from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
 from marin_rl.engine._request import GenerationJob, PromptScores, Sample
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
-from marin_rl.engine._weights import ServingWeights, check_same_architecture, jit_on_leaves, serving_weights, weight_leaves
+from marin_rl.engine._weights import ModelToCome, ServingWeights, check_same_architecture, is_weight, jit_on_leaves, serving_weights, shapes_only, weight_leaves
 from marin_rl.programs import ProgramStore
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,11 @@ class EngineCore:
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._inbox = inbox
         self._last_ready = 0.0
-        self._weights = self.prepare(model, check=False)
+        self.policy_version = policy_version
+        # Started on a model to come: programs compile from its shapes, the first device call waits for it.
+        self._arrival = model.arrival if isinstance(model, ModelToCome) else None
+        self._arrival_lock = threading.Lock()
+        self._weights = self.prepare(model.shapes if self._arrival else model, check=False)
         self._leaves = weight_leaves(self._weights)
         attention = self._weights.attention_config
         self.kernels = choose_kernels(config.attention, self._weights.dtype, exact=config.exact_layout)
@@ -156,7 +160,7 @@ class EngineCore:
         self._reset_device_state()
         if config.precompile_prompt_lens:
             self._precompile(config.precompile_prompt_lens)
-        self.policy_version = policy_version
+        self._receive_model()
         self.stats = EngineStats(pages_total=self.pages.capacity)
         logger.info(
             "engine: %d slots, KV cache %d tokens (%.2f GiB, pages of %d), decode attention %s, prefill %s",
@@ -167,6 +171,16 @@ class EngineCore:
             self.kernels.decode,
             self.kernels.prefill,
         )
+
+    def _receive_model(self) -> None:
+        """Serve the model to come once it has arrived (waits for it; then nothing to do)."""
+        with self._arrival_lock:
+            if self._arrival is None:
+                return
+            holder = self._arrival.result()
+            weights = self.prepare(holder.model)
+            self._weights, self._leaves, self.policy_version = weights, weight_leaves(weights), holder.policy_version
+            self._arrival = None
 
     def on_device(self):
         """Arrays made inside this context (KV cache, slot state, host inputs) go to the engine's device."""
@@ -201,21 +215,23 @@ class EngineCore:
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
         store = ProgramStore.beside_compilation_cache()
-        model_parts = repr(eqx.partition(self._weights, eqx.is_array)[1])
-        # Compiled from their shapes: a first run elsewhere may have donated the arrays themselves.
-        cache_and_state = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if self.device is not None else None), (self._cache, self._state)
-        )
+        model_parts = repr(eqx.partition(self._weights, is_weight)[1])
+        # Compiled from their shapes: a first run elsewhere may have donated the arrays themselves, and
+        # the weights may be still to come (placed on the engine's device then).
+        placed = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None
+        leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding or placed) for x in self._leaves]
+        cache_and_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), (self._cache, self._state))
         # Each then runs once, changing nothing (no prompt written, no slot active): a GPU loads a program's
         # kernels at its first run, which fell in the first steps (an H200's step 3 took 1.7x the median).
         # On a warm start beside the other programs' loading (one after the other, the runs took 1.6 s of
         # the 0.5B loop's start on an H200); on a cold one after the compilations, whose GPU autotuning they
         # slowed (the 1B engine's compile 0.6-0.8 s longer).
-        warm = store is not None and all(store.holds(key[0], (self._leaves, *cache_and_state, *dynamic), static, model_parts) for key, _, dynamic, static in calls)
+        warm = store is not None and all(store.holds(key[0], (leaves, *cache_and_state, *dynamic), static, model_parts) for key, _, dynamic, static in calls)
         seconds: dict[tuple, float] = {}
         first_runs = threading.Lock()  # the first runs take the engine's cache and state in turn
 
         def run_once(executable, dynamic) -> None:
+            self._receive_model()
             with self._lock, first_runs, self.on_device():
                 self._cache, self._state, *_ = executable(self._leaves, self._cache, self._state, *dynamic)
                 jax.block_until_ready(self._state)
@@ -224,7 +240,7 @@ class EngineCore:
             key, fn, dynamic, static = call
             started = time.perf_counter()
             options = engine_compiler_options(exact=config.exact_layout is not None, call=key[0], rows=key[1])
-            args = (self._leaves, *cache_and_state, *dynamic)
+            args = (leaves, *cache_and_state, *dynamic)
             if store is None:
                 executable = fn.lower(*args, *static).compile(compiler_options=options)
             else:
@@ -295,7 +311,7 @@ class EngineCore:
         architecture (`check`)."""
         with self._lock:
             weights = serving_weights(model, self.config.compute_dtype)
-        if self.device is not None:  # cast where the model lives, then one copy device to device
+        if self.device is not None and not shapes_only(weights):  # cast where the model lives, then one copy device to device
             weights = jax.block_until_ready(jax.device_put(weights, self.device))
         if check:
             check_same_architecture(self._weights, weights)

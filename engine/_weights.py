@@ -8,6 +8,8 @@ decoder layers, norms), so the engine computes exactly what the learner does.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 from typing import Any, Callable
 
 import equinox as eqx
@@ -44,6 +46,35 @@ class ServingWeights(eqx.Module):
     @property
     def dtype(self):
         return self.lm_head.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelToCome:
+    """A model still being built, for an engine to start with: its `shapes` (`eqx.filter_eval_shape` of it)
+    now, the model later. The engine compiles its programs from the shapes while the model is built and
+    waits for it before its first device call. `arrival` resolves to whatever holds the model as `model`
+    and its `policy_version` (the learner)."""
+
+    shapes: Any
+    arrival: concurrent.futures.Future
+
+    @property
+    def Pos(self):
+        return self.shapes.Pos
+
+    @property
+    def Vocab(self):
+        return self.shapes.Vocab
+
+
+def is_weight(x) -> bool:
+    """An array of the weights, or its shape and dtype where only those are known (`ModelToCome`)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def shapes_only(tree) -> bool:
+    """Whether `tree` holds shapes (`jax.ShapeDtypeStruct`) where its arrays would be."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
 def check_supported(model) -> None:
@@ -84,9 +115,11 @@ def _serving_weights(model, dtype) -> ServingWeights:
 
 def serving_weights(model, compute_dtype: str | None) -> ServingWeights:
     """The engine's copy of `model`'s weights, floating ones cast to `compute_dtype` (None keeps them);
-    LoRA adapters on `model` are merged into it."""
+    LoRA adapters on `model` are merged into it. Of a model of shapes only, their shapes."""
     check_supported(model)
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else None
+    if shapes_only(model):
+        return eqx.filter_eval_shape(_serving_weights, model, dtype)
     return jax.block_until_ready(_serving_weights(model, dtype))
 
 
@@ -101,9 +134,9 @@ def check_same_architecture(served: ServingWeights, new: ServingWeights) -> None
             f"(served config {served.config}, new config {new.config})"
         )
     for i, (a, b) in enumerate(zip(served_leaves, new_leaves)):
-        if eqx.is_array(a) != eqx.is_array(b) or (not eqx.is_array(a) and a != b):
+        if is_weight(a) != is_weight(b) or (not is_weight(a) and a != b):
             raise ValueError(f"new weights: leaf {i} is {b!r}, the served model has {a!r}")
-        if eqx.is_array(a) and (a.shape, a.dtype) != (b.shape, b.dtype):
+        if is_weight(a) and (a.shape, a.dtype) != (b.shape, b.dtype):
             raise ValueError(f"new weights: leaf {i} is {b.dtype}{list(b.shape)}, the served model has {a.dtype}{list(a.shape)}")
 
 
@@ -115,7 +148,7 @@ def jit_on_leaves(fn: Callable, template: ServingWeights, *, static_argnums: tup
     whole module in Python at every call (about 1-2 ms for a 24-layer model, per prefill and per
     decode call). The non-array parts (configs, axes) come from `template`: `check_same_architecture`
     keeps every installed model's equal to them."""
-    dynamic, static = eqx.partition(template, eqx.is_array)
+    dynamic, static = eqx.partition(template, is_weight)
     treedef = jax.tree.structure(dynamic)
 
     def call(leaves, *args):
@@ -126,4 +159,4 @@ def jit_on_leaves(fn: Callable, template: ServingWeights, *, static_argnums: tup
 
 def weight_leaves(weights: ServingWeights) -> list[jax.Array]:
     """The arrays of `weights`, in the order `jit_on_leaves` takes them."""
-    return jax.tree.leaves(eqx.filter(weights, eqx.is_array))
+    return jax.tree.leaves(eqx.filter(weights, is_weight))

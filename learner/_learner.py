@@ -27,7 +27,7 @@ from marin_rl.learner._checkpoint import complete_checkpoints, load_checkpoint, 
 from marin_rl.learner._config import LearnerConfig, ModelConfig
 from marin_rl.learner._lora import add_adapters, base_fingerprint, save_peft_adapter, trainable_params, with_frozen_base_in
 from marin_rl.learner._mesh import LearnerMesh
-from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, save_hf_model
+from marin_rl.learner._model import build_model, cast_floating, compute_dtype, load_hf_model, read_hf_config, save_hf_model
 from marin_rl.learner._optim import build_optimizer
 from marin_rl.learner._step import loss_and_gradients
 from marin_rl.programs import ProgramStore
@@ -80,16 +80,7 @@ class Learner:
         self.run_dir = Path(run_dir)
         self.tokenizer = tokenizer
         init_key, self._key = jax.random.split(key)
-
-        if model_config.hf_checkpoint is not None:
-            model = load_hf_model(model_config.hf_checkpoint, model_config, tokenizer=tokenizer)
-        else:
-            model = build_model(model_config, vocab_size or len(tokenizer), key=init_key)
-        if config.lora.rank:
-            if exact is not None:
-                raise ValueError("LoRA (learner.lora.rank > 0) with exact numerics is not supported: the engine serves merged weights")
-            init_key, lora_key = jax.random.split(init_key)
-            model = with_frozen_base_in(add_adapters(model, config.lora, key=lora_key), compute_dtype(model_config))
+        model = _initial_model(config, model_config, tokenizer, init_key, vocab_size, exact)
         self._dtype = compute_dtype(model_config)
         self.model: LmHeadModel = self._place(model)
         optimizer, _ = build_optimizer(config.optimizer)
@@ -107,6 +98,13 @@ class Learner:
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
         lookup = 0 if model.config.tie_word_embeddings else model.embeddings.token_embeddings.weight.size
         self.matmul_params = params - lookup
+
+    @staticmethod
+    def model_shapes(config: LearnerConfig, model_config: ModelConfig, tokenizer, *, vocab_size: int | None = None, exact: ExactLayout | None = None):
+        """The shapes and dtypes of the model a `Learner` of these arguments starts from, its structure and
+        static parts (`eqx.filter_eval_shape`: nothing computed, no checkpoint's weights read), for programs
+        to compile from while it is built."""
+        return eqx.filter_eval_shape(lambda key: _initial_model(config, model_config, tokenizer, key, vocab_size, exact, shapes_only=True), jax.random.key(0))
 
     @property
     def policy_model(self) -> LmHeadModel:
@@ -271,6 +269,25 @@ class Learner:
         path = self.run_dir / HF_DIR / f"step-{step}"
         with naming_full_disk(path):
             return save_hf_model(self.policy_model, self.tokenizer, path, dtype=dtype)
+
+
+def _initial_model(config: LearnerConfig, model_config: ModelConfig, tokenizer, key, vocab_size, exact, *, shapes_only: bool = False) -> LmHeadModel:
+    """The checkpoint's model or a fresh one, with LoRA adapters where configured. `shapes_only` (traced
+    under `eqx.filter_eval_shape`): a checkpoint's model is built from its config, its weights not read."""
+    path = model_config.hf_checkpoint
+    if path is not None and not shapes_only:
+        model = load_hf_model(path, model_config, tokenizer=tokenizer)
+    elif path is not None:  # the converter's own template: the checkpoint's config, its vocabulary size
+        hf_config = read_hf_config(Path(path).resolve())
+        model = build_model(model_config, hf_config.vocab_size, key=key, hf_config=hf_config)
+    else:
+        model = build_model(model_config, vocab_size or len(tokenizer), key=key)
+    if config.lora.rank:
+        if exact is not None:
+            raise ValueError("LoRA (learner.lora.rank > 0) with exact numerics is not supported: the engine serves merged weights")
+        key, lora_key = jax.random.split(key)
+        model = with_frozen_base_in(add_adapters(model, config.lora, key=lora_key), compute_dtype(model_config))
+    return model
 
 
 # Module level, with the configs as static arguments, so learners with equal configs share compilations.

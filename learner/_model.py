@@ -89,10 +89,11 @@ def cast_floating(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
 
 
-def build_model(model_config: ModelConfig, vocab_size: int, *, key) -> LmHeadModel:
-    """A freshly initialised model (float32 parameters) with the sizes of `model_config`: Levanter's
-    initialisation, but token embeddings drawn from N(0, `initializer_range`^2) as transformers does."""
-    config = levanter_config(model_config)
+def build_model(model_config: ModelConfig, vocab_size: int, *, key, hf_config=None) -> LmHeadModel:
+    """A freshly initialised model (float32 parameters) with the sizes of `model_config` (of `hf_config`, a
+    transformers config, where given): Levanter's initialisation, but token embeddings drawn from
+    N(0, `initializer_range`^2) as transformers does."""
+    config = levanter_config(model_config, hf_config)
 
     # One compiled program: eagerly, each parameter's initialiser compiled on its own (70 programs, 3.7 s
     # of the quickstart's start-up on 2 CPU cores).
@@ -118,6 +119,15 @@ def _single_device_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "replica", "model"))
 
 
+def read_hf_config(path: str | os.PathLike):
+    """The transformers config of the Hugging Face checkpoint directory `path`."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"ModelConfig.hf_checkpoint: no config.json in {str(path)!r}")
+    return AutoConfig.from_pretrained(str(path))
+
+
 def load_hf_model(path: str | os.PathLike, model_config: ModelConfig, *, tokenizer=None) -> LmHeadModel:
     """Load a local Hugging Face checkpoint directory through Levanter's converter, float32 parameters.
 
@@ -126,13 +136,10 @@ def load_hf_model(path: str | os.PathLike, model_config: ModelConfig, *, tokeniz
     checkpoint's size (it is not resized to the tokenizer's).
     """
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import AutoConfig
 
     # Absolute: Levanter's converter takes a relative path (`models/x`) for a hub repo id and goes online.
     path = Path(path).resolve()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"ModelConfig.hf_checkpoint: no config.json in {str(path)!r}")
-    hf_config = AutoConfig.from_pretrained(str(path))
+    hf_config = read_hf_config(path)
     config = levanter_config(model_config, hf_config)
     converter = HFCheckpointConverter(
         type(config),

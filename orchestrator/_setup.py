@@ -95,7 +95,7 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
 
     reserve_device_memory(config)
     from marin_rl.distributed import Placement
-    from marin_rl.engine import DeviceLock
+    from marin_rl.engine import DeviceLock, ModelToCome
     from marin_rl.learner import Learner
     from marin_rl.replay import Batcher, ReplayBuffer
     from marin_rl.rl_example import RlExample
@@ -106,21 +106,41 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     tokenizer = checked.tokenizer
     placement = Placement.of(config)
     server_config = embedded_server_config(config, checked)
-    learner = Learner(
-        config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed), mesh=placement.learner_mesh, exact=server_config.exact_layout
-    )
-    run_state = learner.restore_latest() if resume else {}
-    if resume:
-        if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
-            run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
-        set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
-        logger.info("resuming at policy version %d", learner.policy_version)
+    learner_args = (config.learner, config.model, run_dir, tokenizer)
+    # One device: the engines' programs compile from the model's shapes while it is built (a learner
+    # mesh places it over several devices, which the engines' copies must follow: built first there).
+    overlap = placement.learner_mesh is None and placement.engine_devices
+    shapes = Learner.model_shapes(config.learner, config.model, tokenizer, exact=server_config.exact_layout) if overlap else None
+    built: concurrent.futures.Future[Learner] = concurrent.futures.Future()
+
+    def build_learner() -> tuple[dict, float]:
+        """The learner (into `built`, for the engines), then its step compiled: (run state, compile seconds)."""
+        try:
+            started = time.perf_counter()
+            learner = Learner(*learner_args, key=jax.random.key(config.seed), mesh=placement.learner_mesh, exact=server_config.exact_layout)
+            run_state = learner.restore_latest() if resume else {}
+            if resume:
+                if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
+                    run_state = {"problem_positions": {e.name: 0 for e in config.envs}}
+                set_aside_abandoned(run_dir, learner.policy_version, run_state.get("problem_positions", {}))
+                logger.info("resuming at policy version %d", learner.policy_version)
+            logger.info("learner: model built in %.1fs", time.perf_counter() - started)
+        except BaseException as error:
+            built.set_exception(error)
+            raise
+        built.set_result(learner)
+        # Every batch has this shape: the step compiles now, beside the engines' start-up (XLA compiles
+        # without the GIL), so that neither start-up nor the first step waits on it alone.
+        return run_state, learner.compile_step(RlExample.from_packed(config.batcher.padding_arrays()))
+
+    building = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marin-rl-build")
+    learner_ready = building.submit(build_learner)
+    building.shutdown(wait=False)  # its thread ends with the compilation
+    if shapes is not None:
+        model, policy_version = ModelToCome(shapes, built), 0  # the engines take its version when it arrives
+    else:
+        model, policy_version = built.result().model, built.result().policy_version
     clock.mark("model")
-    # Every batch has this shape: the learner's step compiles now, beside the engines' start-up (XLA
-    # compiles without the GIL), so that neither start-up nor the first step waits on it alone.
-    compiling = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marin-rl-compile")
-    step_compiled = compiling.submit(learner.compile_step, RlExample.from_packed(config.batcher.padding_arrays()))
-    compiling.shutdown(wait=False)  # its thread ends with the compilation
     # The learner and an embedded engine on its device take turns on it: the engine holds this lock while
     # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save
     # phase. cuDNN attention's CUDA-graph capture fails if another thread launches work meanwhile (seen on
@@ -131,8 +151,9 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     servers = []
     for device in placement.engine_devices:
         shared = placement.shares_learner_device(device)
-        servers.append(PolicyServer(server_config, learner.model, tokenizer, policy_version=learner.policy_version, device_lock=device_lock if shared else None, device=device).start())
+        servers.append(PolicyServer(server_config, model, tokenizer, policy_version=policy_version, device_lock=device_lock if shared else None, device=device).start())
         shutdown.close_later(servers[-1].shutdown)
+    learner = built.result()
     runtime = None
     if config.runtime == "ray":
         from marin_rl.distributed import RayRuntime
@@ -148,8 +169,9 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
         )
         shutdown.close_later(buffers[env.name].close)
     batcher = Batcher(buffers, config.fractions, config.batcher)
+    run_state, step_seconds = learner_ready.result()
     batcher.credit.update(run_state.get("batcher_credit", {}))
-    logger.info("learner: step compiled in %.1fs", step_compiled.result())
+    logger.info("learner: step compiled in %.1fs", step_seconds)
     clock.mark("compile")
     failures: list[PermanentError] = []
 

@@ -12,7 +12,8 @@ import torch
 import transformers
 from levanter.layers.attention import AttentionMask
 
-from marin_rl.learner import ModelConfig, build_model, load_hf_model, per_token_logprobs, save_hf_model
+from marin_rl.engine._weights import check_same_architecture, is_weight
+from marin_rl.learner import Learner, LearnerConfig, ModelConfig, build_model, load_hf_model, per_token_logprobs, save_hf_model
 from marin_rl.rl_example import PackedArrays, RlExample
 
 HF_CONFIGS = {
@@ -115,3 +116,12 @@ def test_family_must_match_the_checkpoint(hf_checkpoint):
     other = "qwen3" if family == "llama" else "llama"
     with pytest.raises(ValueError, match="model_type"):
         load_hf_model(directory, ModelConfig(family=other))
+
+
+def test_the_model_shapes_of_a_checkpoint_are_those_of_the_model_loaded_from_it(hf_checkpoint, tokenizer, tmp_path):
+    """Read from its config alone (the engines compile for them while the weights load)."""
+    family, directory, _, model = hf_checkpoint
+    shapes = Learner.model_shapes(LearnerConfig(), ModelConfig(family=family, hf_checkpoint=str(directory)), tokenizer)
+    check_same_architecture(shapes, model)
+    leaves = [x for x in jax.tree.leaves(shapes) if is_weight(x)]
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # no weight read

@@ -202,3 +202,21 @@ def test_compile_step_leaves_no_step_anything_to_compile(start, tmp_path, tokeni
         for _ in range(3):
             learner.step(example)
     assert compiles.compiled == [] and learner.policy_version == 3
+
+
+@pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora"])
+def test_the_model_shapes_are_those_of_the_model_the_learner_builds(tmp_path, tokenizer, tiny_model_config, rank):
+    """What the engines compile for while the learner builds its model (`ModelToCome`)."""
+    from marin_rl.engine._weights import check_same_architecture, is_weight
+    from marin_rl.learner import LoraConfig
+
+    config = LearnerConfig(lora=LoraConfig(rank=rank, alpha=8.0))
+    shapes = Learner.model_shapes(config, tiny_model_config, tokenizer)
+    learner = Learner(config, tiny_model_config, tmp_path, tokenizer, key=jax.random.key(0))
+    check_same_architecture(shapes, learner.model)  # same structure, static parts, shapes and dtypes
+    leaves = [x for x in jax.tree.leaves(shapes) if is_weight(x)]
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing computed
+    assert len(leaves) == len(jax.tree.leaves(eqx.filter(learner.model, eqx.is_array)))
+    smaller = dataclasses.replace(tiny_model_config, intermediate_dim=32)
+    with pytest.raises(ValueError, match="different model structure or config"):
+        check_same_architecture(Learner.model_shapes(config, smaller, tokenizer), learner.model)
