@@ -131,7 +131,7 @@ class EngineCore:
         # Started on a model to come: programs compile from its shapes, the first device call waits for it.
         self._arrival = model.arrival if isinstance(model, ModelToCome) else None
         self._arrival_lock = threading.Lock()
-        self._weights = self.prepare(model.shapes if self._arrival else model, check=False)
+        self._weights = self.prepare(model.shapes if self._arrival is not None else model, check=False)
         self._leaves = weight_leaves(self._weights)
         attention = self._weights.attention_config
         self.kernels = choose_kernels(config.attention, self._weights.dtype, exact=config.exact_layout)
