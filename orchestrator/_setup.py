@@ -106,7 +106,6 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     tokenizer = checked.tokenizer
     placement = Placement.of(config)
     server_config = embedded_server_config(config, checked)
-    learner_args = (config.learner, config.model, run_dir, tokenizer)
     # One device: the engines' programs compile from the model's shapes while it is built (a learner
     # mesh places it over several devices, which the engines' copies must follow: built first there).
     overlap = placement.learner_mesh is None and placement.engine_devices
@@ -117,7 +116,9 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
         """The learner (into `built`, for the engines), then its step compiled: (run state, compile seconds)."""
         try:
             started = time.perf_counter()
-            learner = Learner(*learner_args, key=jax.random.key(config.seed), mesh=placement.learner_mesh, exact=server_config.exact_layout)
+            learner = Learner(
+                config.learner, config.model, run_dir, tokenizer, key=jax.random.key(config.seed), mesh=placement.learner_mesh, exact=server_config.exact_layout
+            )
             run_state = learner.restore_latest() if resume else {}
             if resume:
                 if run_state is None:  # stopped before its first checkpoint: start again, from the same seed
@@ -139,7 +140,7 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     if shapes is not None:
         model, policy_version = ModelToCome(shapes, built), 0  # the engines take its version when it arrives
     else:
-        model, policy_version = built.result().model, built.result().policy_version
+        model, policy_version = built.result().model, built.result().policy_version  # a mesh: built first
     clock.mark("model")
     # The learner and an embedded engine on its device take turns on it: the engine holds this lock while
     # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save
