@@ -63,6 +63,11 @@ class EngineConfig:
     decode program autotunes its own Triton GEMMs: from 32 rows the 1B engine compiled in 14.3-15.8 s cold
     instead of 18.5-25.3 s, and 8 busy slots decoded in 1.17 ms a step instead of 0.99 (docs/serving.md).
     Set 8 where few requests at a time matter more than the start."""
+    min_prefill_tokens: int | None = None
+    """Fewest tokens (prompts times their padded length) a prefill call computes: a call of fewer prompts
+    is padded to more rows (powers of four), so that fewer prefill programs compile at start. None: 256 on
+    a GPU, where a call of fewer tokens takes as long (the 0.5B loop's 16-token prompts compile no 1- and
+    4-prompt programs), 1 elsewhere."""
     decode_steps: int = 16
     """Decode steps per device call before the host collects finished sequences and admits new ones."""
     compute_dtype: str | None = None
@@ -93,7 +98,7 @@ class EngineConfig:
         for name in ("max_seqs", "max_seq_len", "page_size", "decode_steps", "max_stop_sequences", "max_stop_tokens", "exact_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prefill_rows", "min_decode_slots"):
+        for name in ("max_prefill_rows", "min_decode_slots", "min_prefill_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.max_seq_len:

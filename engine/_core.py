@@ -34,7 +34,7 @@ from marin_rl.engine._decode import PrefillBatch, SlotState, deactivate, decode_
 from marin_rl.engine._kv_cache import KvCache, plan_kv_cache
 from marin_rl.engine._pages import PageAllocator
 from marin_rl.engine._request import GenerationJob, PromptScores, Sample
-from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, rows_bucket, slots_bucket, slots_buckets
+from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, prefill_rows_buckets, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ModelToCome, ServingWeights, check_same_architecture, is_weight, jit_on_leaves, serving_weights, shapes_only, weight_leaves
 from marin_rl.programs import ProgramStore
 
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 MIN_DECODE_SLOTS = 8
 GPU_MIN_DECODE_SLOTS = 32
 """`EngineConfig.min_decode_slots` unset, on a GPU and elsewhere."""
+GPU_MIN_PREFILL_TOKENS = 256
+"""`EngineConfig.min_prefill_tokens` unset, on a GPU (elsewhere 1)."""
 
 
 @dataclass
@@ -146,6 +148,8 @@ class EngineCore:
         self.table_width = self.kernels.table_width(config.pages_per_seq)
         platform = device.platform if device is not None else jax.default_backend()
         self.min_decode_slots = config.min_decode_slots or (GPU_MIN_DECODE_SLOTS if platform == "gpu" else MIN_DECODE_SLOTS)
+        min_prefill_tokens = config.min_prefill_tokens or (GPU_MIN_PREFILL_TOKENS if platform == "gpu" else 1)
+        self.min_prefill_tokens = min(min_prefill_tokens, config.prefill_tokens)
         self._top_k = max(1, min(config.max_logprobs, self._weights.Vocab.size))
         # Host inputs go in as numpy arrays: the jit's C++ dispatch transfers them (one `jnp.asarray`
         # each took 0.2 ms on the GPU machine, 3.6 ms for a prefill call's arrays).
@@ -205,17 +209,15 @@ class EngineCore:
         config, calls = self.config, []
         for truncate in (False, True) if config.precompile_truncated else (False,):
             for time_bucket in sorted({bucket(n, MIN_PREFILL_TIME) for n in prompt_lens}):
-                rows = 1
-                while rows <= rows_bucket(config.prefill_rows) and (rows == 1 or rows * time_bucket <= config.prefill_tokens):
+                for rows in prefill_rows_buckets(time_bucket, config.prefill_rows, config.prefill_tokens, self.min_prefill_tokens):
                     batch = PrefillBatch(**self.scheduler.empty_batch(rows, time_bucket))
                     calls.append((("prefill", rows, time_bucket, truncate), self._prefill, (batch,), (self.kernels, truncate)))
-                    rows *= 4
             for slots_used in slots_buckets(config.max_seqs, self.min_decode_slots) if config.precompile_decode else ():
                 static = (self.kernels, config.decode_steps, slots_used, truncate)
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
         store = ProgramStore.beside_compilation_cache()
-        model_parts = repr(eqx.partition(self._weights, is_weight)[1])
+        model_parts = eqx.partition(self._weights, is_weight)[1]
         # Compiled from their shapes: a first run elsewhere may have donated the arrays themselves, and
         # the weights may be still to come (placed on the engine's device then).
         placed = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None
@@ -466,7 +468,7 @@ class EngineCore:
     def _new_allocator(self) -> None:
         """Every KV page free, every slot empty."""
         self.pages = PageAllocator(self.cache_spec.num_pages)
-        self.scheduler = Scheduler(self.config, self.pages, self.table_width)
+        self.scheduler = Scheduler(self.config, self.pages, self.table_width, self.min_prefill_tokens)
 
     def _complete(self, jobs) -> None:
         for running in jobs:

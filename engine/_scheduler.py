@@ -47,13 +47,21 @@ def slots_buckets(max_seqs: int, minimum: int) -> list[int]:
     return sorted({slots_bucket(n, max_seqs, minimum) for n in range(1, max_seqs + 1)})
 
 
-def rows_bucket(prompts: int) -> int:
-    """Prefill rows for `prompts` prompts: a power of four (1, 4, 16, ...), so that the number of
-    admitted prompts, which varies at every turn, compiles few shapes."""
+def rows_bucket(prompts: int, time: int = 1, min_tokens: int = 1) -> int:
+    """Prefill rows for `prompts` prompts padded to `time` tokens: a power of four (1, 4, 16, ...), so that
+    the number of admitted prompts, which varies at every turn, compiles few shapes; and as many as make
+    `min_tokens` tokens (rounded down to a power of four)."""
     rows = 1
-    while rows < prompts:
+    while rows < prompts or rows * 4 * time <= min_tokens:
         rows *= 4
     return rows
+
+
+def prefill_rows_buckets(time: int, max_prompts: int, max_tokens: int, min_tokens: int) -> list[int]:
+    """Every `rows_bucket` of a prefill call of prompts padded to `time` tokens: of one prompt, or of at most
+    `max_prompts` in at most `max_tokens` tokens (what `Scheduler.admit` puts in one call)."""
+    buckets = {rows_bucket(n, time, min_tokens) for n in range(1, max_prompts + 1)}
+    return sorted(rows for rows in buckets if rows == rows_bucket(1, time, min_tokens) or rows * time <= max_tokens)
 
 
 class FairQueue:
@@ -143,8 +151,9 @@ class Admission:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, table_width: int):
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, table_width: int, min_prefill_tokens: int = 1):
         self.config = config
+        self.min_prefill_tokens = min_prefill_tokens
         self.pages = allocator
         self.table_width = table_width
         self.queue = FairQueue()
@@ -210,7 +219,8 @@ class Scheduler:
             shared, own = self.pages_needed(job)
             if job.n > len(free_slots) - sum(j.n for j in chosen) or shared + job.n * own > free_pages:
                 break
-            rows, time = rows_bucket(len(chosen) + 1), bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
+            time = bucket(max(longest, len(job.prompt_ids)), MIN_PREFILL_TIME)
+            rows = rows_bucket(len(chosen) + 1, time, self.min_prefill_tokens)
             if chosen and (rows * time > config.prefill_tokens or len(chosen) == config.prefill_rows):
                 break
             self.queue.remove(job)
@@ -250,7 +260,8 @@ class Scheduler:
 
     def _build(self, chosen: list[GenerationJob], free_slots: list[int], policy_version: int, score) -> Admission:
         config, size = self.config, self.config.page_size
-        rows, time = rows_bucket(len(chosen)), bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
+        time = bucket(max(len(j.prompt_ids) for j in chosen), MIN_PREFILL_TIME)
+        rows = rows_bucket(len(chosen), time, self.min_prefill_tokens)
         a = self.empty_batch(rows, time)
         admitted, new_slots, copies = [], [], 0
         slot_iter = iter(free_slots)

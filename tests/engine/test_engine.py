@@ -14,6 +14,7 @@ import pytest
 
 from marin_rl.compiles import CompileCounter
 from marin_rl.engine import DeviceLock, Engine, EngineConfig, GenerationJob
+from marin_rl.engine._scheduler import rows_bucket
 from marin_rl.learner import ModelConfig, build_model, sequence_logprobs
 from marin_rl.rl_example import BATCH_AXIS, POS_AXIS
 
@@ -270,6 +271,44 @@ def test_decode_calls_compute_at_least_min_decode_slots_rows_32_by_default_on_a_
     assert decode_programs(dataclasses.replace(base, max_seqs=128)) == [32, 64, 128]
     with pytest.raises(ValueError, match="min_decode_slots must be >= 1"):
         EngineConfig(min_decode_slots=0)
+
+
+def test_prefill_calls_compute_at_least_min_prefill_tokens_256_by_default_on_a_gpu(monkeypatch):
+    """Each prefill bucket is a program compiled at start: a call of fewer prompts is padded to as many rows
+    (powers of four) as make `min_prefill_tokens` (1 on a CPU, 256 on a GPU), so fewer of them."""
+    assert [rows_bucket(n, 16, 256) for n in (1, 16, 17, 65)] == [16, 16, 64, 256]
+    assert [rows_bucket(1, time, 256) for time in (32, 64, 128, 512)] == [4, 4, 1, 1]  # powers of four, rounded down
+    base = EngineConfig(max_seqs=16, max_seq_len=SEQ_LEN, page_size=8, decode_steps=4, batch_wait_s=0.0, precompile_prompt_lens=(10,), precompile_decode=False)
+    model = tiny("llama", 0)
+
+    def prefill_programs(config) -> list[tuple[int, int]]:
+        engine = Engine(config, model)
+        try:
+            return sorted(key[1:3] for key in engine.core._executables if key[0] == "prefill")
+        finally:
+            engine.stop()
+
+    assert prefill_programs(base) == [(1, 16), (4, 16), (16, 16)]  # this CPU
+    prompts = [job(range(1, 11), n=2, max_tokens=6, seed=5)]
+    engine = Engine(base, model)
+    try:
+        unpadded = run(engine, prompts)[0]
+    finally:
+        engine.stop()
+    engine = Engine(dataclasses.replace(base, min_prefill_tokens=64), model)
+    try:
+        assert sorted(key[1] for key in engine.core._executables if key[0] == "prefill") == [4, 16]
+        padded = run(engine, prompts)[0]  # one prompt: prefilled in 4 rows, the same samples
+        assert [s.token_ids for s in padded.samples] == [s.token_ids for s in unpadded.samples]
+        np.testing.assert_allclose([s.logprobs for s in padded.samples], [s.logprobs for s in unpadded.samples], atol=1e-5)
+        assert engine.stats.compilations == 0 and engine.stats.errors == 0 and engine.stats.pages_in_use == 0
+    finally:
+        engine.stop()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # float32 weights: the same kernels as on a CPU
+    assert prefill_programs(dataclasses.replace(base, max_seqs=128)) == [(16, 16), (64, 16), (256, 16)]
+    assert prefill_programs(dataclasses.replace(base, precompile_prompt_lens=(40,))) == [(4, 64), (16, 64)]
+    with pytest.raises(ValueError, match="min_prefill_tokens must be >= 1"):
+        EngineConfig(min_prefill_tokens=0)
 
 
 def test_max_prefill_rows_caps_each_prefill_call_and_the_shapes_compiled_at_start():
