@@ -36,7 +36,7 @@ from marin_rl.engine._pages import PageAllocator
 from marin_rl.engine._request import GenerationJob, PromptScores, Sample
 from marin_rl.engine._scheduler import MIN_PREFILL_TIME, Admission, Scheduler, bucket, complete, prefill_rows_buckets, slots_bucket, slots_buckets
 from marin_rl.engine._weights import ModelToCome, ServingWeights, check_same_architecture, is_weight, jit_on_leaves, serving_weights, shapes_only, weight_leaves
-from marin_rl.programs import ProgramStore
+from marin_rl.programs import ProgramStore, describe
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class EngineCore:
                 calls.append((("decode", slots_used, truncate), self._decode, (), static))
 
         store = ProgramStore.beside_compilation_cache()
-        model_parts = eqx.partition(self._weights, is_weight)[1]
+        model_parts = describe(eqx.partition(self._weights, is_weight)[1])  # once: every program's key holds it
         # Compiled from their shapes: a first run elsewhere may have donated the arrays themselves, and
         # the weights may be still to come (placed on the engine's device then).
         placed = jax.sharding.SingleDeviceSharding(self.device) if self.device is not None else None

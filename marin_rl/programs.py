@@ -26,7 +26,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 from jax import export
@@ -83,7 +82,7 @@ class ProgramStore:
         static: Sequence,
         *,
         donate_argnums: Sequence[int],
-        context: Any,
+        context: str,
         compiler_options: dict | None = None,
         returns_like: Sequence[int] | None = None,
     ) -> Callable:
@@ -91,7 +90,7 @@ class ProgramStore:
         tuple: new values shaped like `args[i]` for each i of `returns_like` (default: the donated
         arguments), in that order, then arrays in tuples, lists and dicts (the stored program keeps their
         structure). `context`: what shapes the program that neither `args` nor `static` shows (the
-        model's non-array parts, a pytree without arrays)."""
+        model's non-array parts, as `describe` writes them)."""
         like = tuple(donate_argnums if returns_like is None else returns_like)
         leaves, in_tree = jax.tree.flatten(tuple(args))
         path = self._path(name, args, static, context)
@@ -117,15 +116,15 @@ class ProgramStore:
 
         return run
 
-    def holds(self, name: str, args: Sequence, static: Sequence, context: Any) -> bool:
+    def holds(self, name: str, args: Sequence, static: Sequence, context: str) -> bool:
         """Whether `compile` would load this program (a warm start) rather than lower it."""
         return self._path(name, args, static, context).exists()
 
-    def _path(self, name: str, args: Sequence, static: Sequence, context: Any) -> Path:
+    def _path(self, name: str, args: Sequence, static: Sequence, context: str) -> Path:
         leaves, in_tree = jax.tree.flatten(tuple(args))
         return self.directory / f"{name}-{self._key(name, leaves, in_tree, static, context)}.exported"
 
-    def _key(self, name: str, leaves, in_tree, static, context: Any) -> str:
+    def _key(self, name: str, leaves, in_tree, static, context: str) -> str:
         config = jax.config
         parts = [
             name,
@@ -133,7 +132,7 @@ class ProgramStore:
             str(in_tree),
             repr([(getattr(x, "shape", ()), str(getattr(x, "dtype", type(x)))) for x in leaves]),
             describe(tuple(static)),
-            describe(context),
+            context,
             jax.default_backend(),
             jax.devices()[0].device_kind,
             f"x64={config.jax_enable_x64};precision={config.jax_default_matmul_precision};prng={config.jax_default_prng_impl}",

@@ -139,8 +139,9 @@ def start(config: TrainConfig, run_dir: Path, resume: bool, stop: threading.Even
     building.shutdown(wait=False)  # its thread ends with the compilation
     if shapes is not None:
         model, policy_version = ModelToCome(shapes, built), 0  # the engines take its version when it arrives
-    else:
-        model, policy_version = built.result().model, built.result().policy_version  # a mesh: built first
+    else:  # a mesh: built first
+        first = built.result()
+        model, policy_version = first.model, first.policy_version
     clock.mark("model")
     # The learner and an embedded engine on its device take turns on it: the engine holds this lock while
     # its calls are in flight (letting go when the loop asks), the loop around each learn/broadcast/save
